@@ -1,0 +1,100 @@
+"""`python -m orchestrate [overrides]`: check the command line, then hand it to the Hydra app.
+
+Bad input (an unknown key or choice, a wrong type, an impossible combination) is caught here by
+composing the config and building its objects once, before Hydra creates an output folder or a
+run is opened in MLflow: one plain message, exit code 2.
+"""
+
+import sys
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from orchestrate import app, schema
+from orchestrate.job import Job
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's own flags (--cfg, -m, hydra/...) versus config overrides."""
+    flags, overrides = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--config-name", "-cn", "--config-dir", "-cd",
+                       "--experimental-rerun") and "=" not in arg:
+                nxt = next(it, None)
+                if nxt is not None:
+                    flags.append(nxt)
+        elif arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def explain(e: Exception, overrides: list[str]) -> str:
+    """One plain sentence for Hydra's and OmegaConf's composition errors."""
+    cause = e
+    while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
+        cause = cause.__cause__
+    if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
+        group = cause.missing_cfg_file.split("/")[0]
+        options = cause.options or []
+        chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == group), "?")
+        return f"{group}={chosen}: no such choice; allowed: {', '.join(options)}"
+    if isinstance(cause, ConfigKeyError):
+        key = cause.full_key or cause.key
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        return f"{key}: unknown key{allowed_keys(parent)}"
+    if isinstance(cause, ValidationError):
+        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+    return str(e).splitlines()[0]
+
+
+def allowed_keys(parent: str) -> str:
+    if not parent:
+        return ""
+    try:
+        with initialize_config_dir(config_dir=app.CONF_DIR, version_base="1.3"):
+            node = OmegaConf.select(compose(config_name="config"), parent)
+        return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
+    except Exception:
+        return ""
+
+
+def validate(overrides: list[str]) -> None:
+    """Compose and build the single-run config once; exit 2 with one message if it is wrong."""
+    try:
+        with initialize_config_dir(config_dir=app.CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
+    except schema.ConfigError as e:
+        fail(str(e))
+    except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
+        fail(explain(e, overrides))
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    flags, overrides = split_args(argv)
+    multirun = any(f in MULTIRUN_FLAGS for f in flags)
+    if not multirun and not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
+        validate(overrides)
+    sys.argv = [sys.argv[0], *argv]
+    app.hydra_main()
+
+
+if __name__ == "__main__":
+    main()

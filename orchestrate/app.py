@@ -1,0 +1,84 @@
+"""One training run, in order: validate, seed, start tracking, fit, summarise.
+
+    python -m orchestrate                                   # defaults: conf/config.yaml
+    python -m orchestrate backend=ondevice trainer.max_steps=500
+    python -m orchestrate model=char_transformer data=python_source
+"""
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from orchestrate import plots, schema
+from orchestrate.job import Job
+from orchestrate.tracking import Tracker, ui_command
+
+log = logging.getLogger(__name__)
+
+# conf/ sits beside the package in a checkout (and in the editable install the README uses).
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+schema.register()
+
+
+@dataclass
+class Result:
+    run_id: str
+    metrics: dict[str, float]
+    out_dir: Path
+
+
+def device_name(cfg: DictConfig) -> str:
+    import platform
+
+    import torch
+
+    if cfg.trainer.device.value == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.machine()})"
+
+
+def train(cfg: DictConfig, out_dir: Path) -> Result:
+    """Train once as `cfg` says; the MLflow run holds everything the run produced."""
+    job = Job.prepare(cfg, out_dir)  # ConfigError here: nothing has been written anywhere yet
+    choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
+    tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
+            "data": cfg.data._target_}
+    with Tracker(cfg, run_name=choices.lower(), tags=tags) as tracker:
+        job.tracker = tracker
+        job.backend.fit(job)
+        metrics = job.summary()
+        tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
+        png = plots.loss_curves({job.backend.name: job.history}, job.out_dir / "loss_curves.png", title=choices)
+        tracker.log_artifact(png)
+    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir)
+    print_summary(cfg, job, result)
+    return result
+
+
+def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
+    m = result.metrics
+    lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"]
+    for key, label in [("train_loss", "final train loss"), ("eval_loss", "eval loss"),
+                       ("eval_accuracy", "eval accuracy"), ("samples_per_sec", "samples/s"),
+                       ("step_time_ms", "step time (ms)")]:
+        if key in m:
+            lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
+    lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}')",
+              f"  outputs            {result.out_dir}",
+              f"  open the UI with   {ui_command(cfg.tracking.uri)}"]
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except schema.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return result.metrics.get("eval_loss")

@@ -1,0 +1,27 @@
+"""The interface every backend implements. Small on purpose: the shared bookkeeping (batches,
+schedule, metrics, checkpoints files) lives in `orchestrate.job.Job`, which `fit` receives."""
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+
+class Backend(ABC):
+    """A way to train: the config's `backend` group builds one (its keys are the fields of the
+    dataclass that subclasses this)."""
+
+    name: str  # the conf/backend file's name; tags the MLflow run and prefixes the progress bar
+
+    def check(self, job) -> None:
+        """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
+
+    @abstractmethod
+    def fit(self, job) -> None:
+        """Train `job.model` on `job.data` for `job.trainer.max_steps` steps, calling
+        `job.record` every step, `job.evaluate` and `job.checkpoint` at their periods, and
+        `job.save_model` once at the end."""
+
+    @abstractmethod
+    def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
+        """The model parameters stored in one of this backend's checkpoints, by name."""

@@ -1,0 +1,187 @@
+"""What a backend gets: the built data, model and settings, plus the bookkeeping every training
+loop shares (batches, learning-rate schedule, progress bar, metrics, checkpoints), so that each
+backend file holds only its own loop."""
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from orchestrate import schema
+from orchestrate.schema import LRSchedule
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Job:
+    cfg: DictConfig
+    backend: Any  # orchestrate.backends.base.Backend
+    data: Any  # orchestrate.tasks.data.TensorData
+    model: torch.nn.Module
+    out_dir: Path
+    tracker: Any = None  # orchestrate.tracking.Tracker, attached once the run starts
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    final: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def prepare(cls, cfg: DictConfig, out_dir: Path) -> "Job":
+        """Build everything from the config and refuse bad input, before any compute."""
+        schema.check(cfg)
+        backend = schema.build(cfg.backend, "backend")
+        data = schema.build(cfg.data, "data")
+        # Same seed right before building the model: every backend starts from the same weights.
+        seed_everything(cfg.trainer.seed)
+        model = schema.build(cfg.model, "model")
+        schema.target_of(cfg.optimizer)
+        job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
+        backend.check(job)
+        return job
+
+    # ---- settings a loop reads -------------------------------------------------------------
+    @property
+    def trainer(self) -> DictConfig:
+        return self.cfg.trainer
+
+    @property
+    def lr(self) -> float:
+        return float(self.cfg.optimizer.lr)
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        return schema.build(self.cfg.optimizer, "optimizer", params)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base learning rate for update number `step` (0-based)."""
+        t = self.trainer
+        if t.lr_schedule == LRSchedule.constant:
+            return 1.0
+        if step < t.warmup_steps:
+            return step / max(1, t.warmup_steps)
+        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+        if t.lr_schedule == LRSchedule.linear:
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    def train_batch(self, step: int, rank: int = 0, world_size: int = 1):
+        """The batch for 1-based `step`: batch number step-1 of the seeded order."""
+        return self.data.train_batch(step - 1, self.trainer.batch_size, self.trainer.seed, rank, world_size)
+
+    def due(self, step: int, period: int) -> bool:
+        """Periodic work happens every `period` steps and always after the last one."""
+        return step == self.trainer.max_steps or (period > 0 and step % period == 0)
+
+    # ---- the loop's bookkeeping --------------------------------------------------------------
+    def steps(self, start: int = 1) -> Iterator[int]:
+        """Yield 1-based step numbers with a progress bar; time the steps between displays,
+        leaving out the time spent in `evaluate` and `checkpoint`."""
+        t = self.trainer
+        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_start = self._run_start = time.perf_counter()
+        self._timed_steps, self._timed_seconds = 0, 0.0
+        self._bar = tqdm(total=t.max_steps, initial=start - 1, disable=not t.progress, unit="step",
+                         dynamic_ncols=True, mininterval=0.2 if os.isatty(2) else 10.0,
+                         desc=self.backend.name)
+        try:
+            for step in range(start, t.max_steps + 1):
+                yield step
+                self._bar.update()
+        finally:
+            self._bar.close()
+        self.final["wall_time_s"] = time.perf_counter() - self._run_start
+
+    def record(self, step: int, loss: float) -> None:
+        """Call after every step with its loss; logs at every `display_loss_steps`."""
+        self._window_loss += loss
+        self._window_steps += 1
+        if not self.due(step, self.trainer.display_loss_steps):
+            return
+        now = time.perf_counter()
+        seconds = now - self._window_start - self._excluded
+        mean_loss = self._window_loss / self._window_steps
+        metrics = {
+            "train/loss": mean_loss,
+            "perf/samples_per_sec": self._window_steps * self.trainer.batch_size / seconds,
+            "perf/step_time_ms": 1000.0 * seconds / self._window_steps,
+            "lr": self.lr * self.lr_factor(step - 1),
+        }
+        # The first window holds graph builds and warm-up: it is logged, not counted in the totals.
+        if self._timed_steps or self._window_steps == self.trainer.max_steps or step > self.trainer.display_loss_steps:
+            self._timed_steps += self._window_steps
+            self._timed_seconds += seconds
+        self._log(metrics, step)
+        self.final["train_loss"] = mean_loss
+        self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
+        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_start = time.perf_counter()
+
+    def evaluate(self, step: int, run_eval: Callable[[], tuple[float, float | None]]) -> None:
+        """Run `run_eval() -> (loss, accuracy or None)` at evaluation steps and log the result."""
+        if not self.due(step, self.trainer.evaluation_period):
+            return
+        began = time.perf_counter()
+        loss, accuracy = run_eval()
+        metrics = {"eval/loss": loss}
+        if accuracy is not None:
+            metrics["eval/accuracy"] = accuracy
+        self._log(metrics, step)
+        self.final.update({k.replace("/", "_"): v for k, v in metrics.items()})
+        msg = f"step {step}: eval loss {loss:.4f}" + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+        self._bar.write(f"[{self.backend.name}] {msg}")
+        self._excluded += time.perf_counter() - began
+
+    def checkpoint(self, step: int, write: Callable[[Path], None], suffix: str) -> Path | None:
+        """At checkpoint steps, `write(path)` a checkpoint. It is written to a temporary name and
+        renamed, so a crash never leaves a half-written file where a finished one was expected."""
+        if not self.due(step, self.trainer.checkpoint_period):
+            return None
+        began = time.perf_counter()
+        folder = self.out_dir / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step_{step:07d}{suffix}"
+        tmp = folder / f".tmp_step_{step:07d}{suffix}"
+        write(tmp)
+        os.replace(tmp, path)
+        for old in sorted(folder.glob(f"step_*{suffix}"))[: -self.trainer.max_num_checkpoints]:
+            old.unlink()
+        if self.tracker is not None and self.cfg.tracking.log_checkpoints:
+            self.tracker.log_artifact(path, "checkpoints")
+        self._excluded += time.perf_counter() - began
+        return path
+
+    def save_model(self, write: Callable[[Path], None]) -> Path:
+        """Save the trained model as ONNX for inference (`model.onnx`) and log it."""
+        path = self.out_dir / "model.onnx"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+        if self.tracker is not None:
+            self.tracker.log_artifact(path)
+        return path
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted((self.out_dir / "checkpoints").glob("step_*"))
+        return found[-1] if found else None
+
+    def summary(self) -> dict[str, float]:
+        if self._timed_steps:
+            self.final["samples_per_sec"] = self._timed_steps * self.trainer.batch_size / self._timed_seconds
+            self.final["step_time_ms"] = 1000.0 * self._timed_seconds / self._timed_steps
+        return dict(self.final)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self.history.setdefault(k, []).append((step, v))
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step)

@@ -1,0 +1,132 @@
+"""Config schemas, registered in Hydra's ConfigStore so that a typo or a wrong type fails at
+composition, before any compute. Groups whose objects are built with `_target_` (backend, model,
+data, optimizer) are checked against their target's signature when they are built (`build`)."""
+
+import enum
+import inspect
+from dataclasses import dataclass, field, is_dataclass
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.errors import InstantiationException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """Bad input: a wrong key or value, a missing file, an impossible combination.
+    The command line prints its message alone and exits with code 2."""
+
+
+class LRSchedule(str, enum.Enum):
+    constant = "constant"
+    linear = "linear"  # linear warm-up, then linear decay to 0 (ORT's LinearLRScheduler)
+    cosine = "cosine"  # linear warm-up, then cosine decay to 0
+
+
+class Device(str, enum.Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"  # CUDA only
+
+
+@dataclass
+class TrainerConf:
+    max_steps: int = 300  # optimizer updates to run
+    batch_size: int = 64  # samples per step (per worker)
+    eval_batch_size: int = 512
+    seed: int = 0  # same seed -> same initial weights and batch order on every backend
+    display_loss_steps: int = 25  # log train loss and throughput every N steps
+    evaluation_period: int = 100  # evaluate every N steps (and after the last); 0: only at the end
+    checkpoint_period: int = 0  # checkpoint every N steps; 0: only after the last step
+    max_num_checkpoints: int = 2  # checkpoints kept on disk (MLflow keeps every logged one)
+    lr_schedule: LRSchedule = LRSchedule.constant
+    warmup_steps: int = 0
+    device: Device = Device.cpu
+    precision: Precision = Precision.fp32
+    progress: bool = True  # progress bar on the console
+
+
+@dataclass
+class TrackingConf:
+    uri: str = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working directory
+    experiment: str = "orchestrate"
+    run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
+    log_checkpoints: bool = True  # upload each checkpoint as an artifact
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    backend: Any = MISSING  # conf/backend/*.yaml: `_target_` is a Backend dataclass
+    model: Any = MISSING  # any torch.nn.Module
+    data: Any = MISSING  # a data set, see orchestrate.tasks.data
+    optimizer: Any = MISSING  # a torch.optim class, `_partial_: true`
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    tracking: TrackingConf = field(default_factory=TrackingConf)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+
+
+def check(cfg: DictConfig) -> None:
+    """Value checks that a type cannot express."""
+    t = cfg.trainer
+    positive = ["max_steps", "batch_size", "eval_batch_size", "display_loss_steps", "max_num_checkpoints"]
+    for key in positive:
+        if t[key] < 1:
+            raise ConfigError(f"trainer.{key}={t[key]}: must be at least 1")
+    for key in ["evaluation_period", "checkpoint_period", "warmup_steps"]:
+        if t[key] < 0:
+            raise ConfigError(f"trainer.{key}={t[key]}: must be 0 or more")
+    if t.warmup_steps >= t.max_steps and t.lr_schedule != LRSchedule.constant:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be below trainer.max_steps={t.max_steps}")
+    if t.device == Device.cuda or t.precision == Precision.fp16:
+        import torch
+
+        if not torch.cuda.is_available():
+            what = "trainer.device=cuda" if t.device == Device.cuda else "trainer.precision=fp16"
+            raise ConfigError(f"{what} needs CUDA, and this machine has none; allowed here: trainer.device=cpu, trainer.precision=fp32")
+    if t.precision == Precision.fp16 and t.device != Device.cuda:
+        raise ConfigError("trainer.precision=fp16 needs trainer.device=cuda")
+    for group in ["backend", "model", "data", "optimizer"]:
+        if "_target_" not in cfg[group]:
+            raise ConfigError(f"{group}._target_ is missing: name the class to build")
+
+
+def target_of(node: DictConfig) -> Any:
+    try:
+        return hydra.utils.get_object(node._target_)
+    except Exception as e:
+        raise ConfigError(f"_target_={node._target_!r}: cannot import it ({e})") from None
+
+
+def build(node: DictConfig, key: str, *args: Any) -> Any:
+    """`hydra.utils.instantiate` with errors that name the config key and the allowed keys."""
+    target = target_of(node)
+    allowed = [p for p in inspect.signature(target).parameters if p not in ("self", "args", "kwargs")]
+    given = [k for k in node if not str(k).startswith("_")]
+    unknown = [k for k in given if k not in allowed and "kwargs" not in inspect.signature(target).parameters]
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key for {node._target_}; allowed keys: {', '.join(allowed)}")
+    if is_dataclass(target):
+        # Dataclass targets (the backends) also get their field types checked.
+        try:
+            OmegaConf.merge(OmegaConf.structured(target), {k: node[k] for k in given})
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{key}.{e.key}: {e.msg.splitlines()[0]}") from None
+    try:
+        built = hydra.utils.instantiate(node, _convert_="all")
+        return built(*args) if args else built
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
+            raise ConfigError(f"{key} ({node._target_}): {cause}") from None
+        raise

@@ -1,0 +1,140 @@
+"""Data sets shipped with orchestrate: in-memory tensors, drawn in the same order by every backend.
+
+A data set is any object with the attributes of `TensorData`: `loss`, `train_batch(position,
+batch_size, seed, rank, world_size)` and `eval_batches(batch_size)`. Subclass `TensorData` (or
+write your own) and point `data._target_` at it.
+"""
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "l1")
+
+
+class TensorData:
+    """Train and eval tensors plus the loss that fits their targets.
+
+    Batches come from a fresh permutation of the training set each epoch (seeded by `seed` and
+    the epoch), so batch number `position` is the same on every backend and after a resume.
+    With `world_size > 1` each rank takes its own disjoint slice of every global batch.
+    """
+
+    def __init__(self, x_train, y_train, x_eval, y_eval, loss: str):
+        if loss not in LOSSES:
+            raise ValueError(f"data.loss={loss!r} is not one of {', '.join(LOSSES)}")
+        self.x_train, self.y_train, self.x_eval, self.y_eval = x_train, y_train, x_eval, y_eval
+        self.loss = loss
+        self._perm_epoch, self._perm = None, None
+
+    @property
+    def num_train(self) -> int:
+        return len(self.x_train)
+
+    def sample_input(self, batch_size: int = 2) -> torch.Tensor:
+        """A small input batch, for exporting a model to ONNX."""
+        return self.x_train[:batch_size]
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        global_batch = batch_size * world_size
+        per_epoch = self.num_train // global_batch
+        if per_epoch == 0:
+            raise ValueError(
+                f"trainer.batch_size={batch_size} x {world_size} worker(s) is larger than the "
+                f"training set ({self.num_train} samples)"
+            )
+        epoch, index = divmod(position, per_epoch)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.num_train, generator=g), epoch
+        start = index * global_batch + rank * batch_size
+        idx = self._perm[start : start + batch_size]
+        return self.x_train[idx], self.y_train[idx]
+
+    def eval_batches(self, batch_size: int):
+        for start in range(0, len(self.x_eval), batch_size):
+            yield self.x_eval[start : start + batch_size], self.y_eval[start : start + batch_size]
+
+
+def _split(x, y, eval_fraction: float, seed: int):
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_eval = max(1, int(len(x) * eval_fraction))
+    return x[perm[n_eval:]], y[perm[n_eval:]], x[perm[:n_eval]], y[perm[:n_eval]]
+
+
+class Digits(TensorData):
+    """scikit-learn's bundled handwritten digits: 8x8 images flattened to 64 features, 10 classes."""
+
+    def __init__(self, num_features: int = 64, num_classes: int = 10, eval_fraction: float = 0.2,
+                 seed: int = 0, loss: str = "cross_entropy"):
+        from sklearn.datasets import load_digits
+
+        if (num_features, num_classes) != (64, 10):
+            raise ValueError("data.num_features and data.num_classes are fixed for digits: 64 and 10")
+        bunch = load_digits()
+        x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
+        y = torch.tensor(bunch.target, dtype=torch.int64)
+        super().__init__(*_split(x, y, eval_fraction, seed), loss=loss)
+
+
+class Synthetic(TensorData):
+    """Inputs from a standard normal, targets from a fixed random teacher network.
+
+    `target`: `classes` (argmax of the teacher, for cross_entropy), `regression` (the teacher's
+    outputs, for mse or l1) or `multilabel` (teacher outputs > 0, for bce_with_logits).
+    """
+
+    def __init__(self, num_samples: int = 2048, num_features: int = 16, num_classes: int = 4,
+                 target: str = "classes", eval_fraction: float = 0.25, seed: int = 0,
+                 loss: str = "cross_entropy"):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(num_samples, num_features, generator=g)
+        w1 = torch.randn(num_features, 32, generator=g) / num_features**0.5
+        w2 = torch.randn(32, num_classes, generator=g) / 32**0.5
+        out = torch.tanh(x @ w1) @ w2
+        targets = {
+            "classes": lambda: out.argmax(dim=1),
+            "regression": lambda: out,
+            "multilabel": lambda: (out > 0).float(),
+        }
+        if target not in targets:
+            raise ValueError(f"data.target={target!r} is not one of {', '.join(targets)}")
+        super().__init__(*_split(x, targets[target](), eval_fraction, seed), loss=loss)
+
+
+PRINTABLE = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 symbols
+
+
+class PythonSource(TensorData):
+    """Character-level language modelling on the Python standard library's own source files,
+    which every Python installation carries. Characters outside printable ASCII become spaces.
+    Each sample is `block_size` characters; its target is the same window shifted by one."""
+
+    def __init__(self, files: list[str] = ("functools.py", "argparse.py", "inspect.py"),
+                 block_size: int = 64, vocab_size: int = 96, max_chars: int = 300_000,
+                 eval_fraction: float = 0.1, loss: str = "cross_entropy"):
+        if vocab_size != len(PRINTABLE):
+            raise ValueError(f"data.vocab_size is fixed at {len(PRINTABLE)} (printable ASCII and newline)")
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        missing = [f for f in files if not (stdlib / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"data.files: {', '.join(missing)} not found in {stdlib}")
+        text = "".join((stdlib / f).read_text(encoding="utf-8", errors="replace") for f in files)[:max_chars]
+        lookup = np.full(128, PRINTABLE.index(" "), dtype=np.int64)
+        for i, ch in enumerate(PRINTABLE):
+            lookup[ord(ch)] = i
+        codes = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
+        ids = torch.from_numpy(lookup[np.minimum(codes, 127)])
+        n = (len(ids) - 1) // block_size
+        x = ids[: n * block_size].view(n, block_size)
+        y = ids[1 : n * block_size + 1].view(n, block_size)
+        n_eval = max(1, int(n * eval_fraction))
+        # Eval is the tail of the text, not random windows: no overlap with training windows.
+        super().__init__(x[:-n_eval], y[:-n_eval], x[-n_eval:], y[-n_eval:], loss=loss)
+        self.text_chars = len(text)
+
+
+def decode(ids) -> str:
+    return "".join(PRINTABLE[int(i)] for i in ids)
