@@ -7,7 +7,6 @@ run is opened in MLflow: one plain message, exit code 2.
 
 import sys
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -62,8 +61,7 @@ def allowed_keys(parent: str) -> str:
     if not parent:
         return ""
     try:
-        with initialize_config_dir(config_dir=app.CONF_DIR, version_base="1.3"):
-            node = OmegaConf.select(compose(config_name="config"), parent)
+        node = OmegaConf.select(app.load_config(), parent)
         return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
     except Exception:
         return ""
@@ -72,8 +70,7 @@ def allowed_keys(parent: str) -> str:
 def validate(overrides: list[str]) -> None:
     """Compose and build the single-run config once; exit 2 with one message if it is wrong."""
     try:
-        with initialize_config_dir(config_dir=app.CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = app.load_config(overrides)
         Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
     except schema.ConfigError as e:
         fail(str(e))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -30,6 +31,12 @@ class Result:
     run_id: str
     metrics: dict[str, float]
     out_dir: Path
+
+
+def load_config(overrides: list[str] = ()) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line style overrides, outside a Hydra app."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def device_name(cfg: DictConfig) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from orchestrate import schema
@@ -51,14 +51,11 @@ class Job:
         backend.check(job)
         return job
 
-    # ---- settings a loop reads -------------------------------------------------------------
-    @property
-    def trainer(self) -> DictConfig:
-        return self.cfg.trainer
-
-    @property
-    def lr(self) -> float:
-        return float(self.cfg.optimizer.lr)
+    def __post_init__(self) -> None:
+        # Plain objects, not DictConfig: an OmegaConf attribute read costs microseconds, and the
+        # loop reads these settings several times a step.
+        self.trainer: schema.TrainerConf = OmegaConf.to_object(self.cfg.trainer)
+        self.lr = float(self.cfg.optimizer.lr)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         return schema.build(self.cfg.optimizer, "optimizer", params)

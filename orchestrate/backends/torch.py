@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from orchestrate.backends.base import Backend
-from orchestrate.schema import ConfigError, Device, Precision
+from orchestrate.schema import ConfigError, LRSchedule, Precision
 
 # Models return logits (..., C): flatten them to (N, C) so that per-token (language model) and
 # per-sample (classifier) targets go through the same loss.
@@ -83,7 +83,9 @@ class TorchBackend(Backend):
         plain = job.model.to(device)  # keep the unwrapped module: checkpoints and export use it
         model = self.wrap(plain, job)
         optimizer = self.make_optimizer(model, job)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
+        # LambdaLR costs tens of microseconds a step: left out when the rate is constant.
+        scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
+                     if job.trainer.lr_schedule != LRSchedule.constant else None)
         loss_fn = LOSSES[job.data.loss]
         # fp16 (CUDA only): autocast the forward, scale the loss so small gradients survive.
         fp16 = job.trainer.precision == Precision.fp16
@@ -99,7 +101,8 @@ class TorchBackend(Backend):
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
 
             job.record(step, loss.item())
             job.evaluate(step, lambda: evaluate(model, job))
@@ -107,7 +110,7 @@ class TorchBackend(Backend):
                 "step": step,
                 "model": plain.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler else None,
                 "rng": torch.get_rng_state(),
             }, path), suffix=".pt")
 

@@ -1,0 +1,91 @@
+"""The contract every backend keeps, run over every conf/backend/*.yaml (as Hydra's launchers
+share one LauncherTestSuite): it trains, tracks, checkpoints and exports the same way."""
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+from orchestrate import app, schema
+from tests.conftest import BACKENDS, client_for, metric_steps
+
+METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def trained(request, mlflow_server, tmp_path_factory):
+    """One short run per backend on the synthetic task, tracked by the MLflow server."""
+    out = tmp_path_factory.mktemp(request.param)
+    cfg = app.load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
+                           "trainer.checkpoint_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
+                           "tracking.experiment=contract"])
+    result = app.train(cfg, out)
+    return request.param, cfg, result, client_for(mlflow_server)
+
+
+def test_loss_goes_down(trained):
+    _, _, result, client = trained
+    losses = [v for _, v in metric_steps(client, result.run_id, "train/loss")]
+    assert len(losses) == 8  # every display_loss_steps=5 of 40 steps
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_metrics_params_and_tags_in_mlflow(trained):
+    backend, cfg, result, client = trained
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    for key in METRICS:
+        assert metric_steps(client, result.run_id, key), f"{key} missing"
+    assert [s for s, _ in metric_steps(client, result.run_id, "eval/loss")] == [15, 30, 40]
+    for key in ["final/train_loss", "final/eval_loss", "final/eval_accuracy", "final/samples_per_sec"]:
+        assert key in run.data.metrics
+    assert run.data.params["trainer.max_steps"] == "40"
+    assert run.data.params["backend._target_"] == cfg.backend._target_
+    tags = run.data.tags
+    assert tags["backend"] == backend
+    assert tags["device"].startswith("cpu")
+    assert {"git_commit", "version.torch", "version.onnx", "version.onnxruntime-training-cpu"} <= set(tags)
+
+
+def test_artifacts_in_mlflow(trained):
+    _, _, result, client = trained
+    top = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "requirements-freeze.txt", "model.onnx", "loss_curves.png", "checkpoints"} <= top
+    checkpoints = [a.path for a in client.list_artifacts(result.run_id, "checkpoints")]
+    assert len(checkpoints) == 2  # steps 20 and 40
+    freeze = open(client.download_artifacts(result.run_id, "requirements-freeze.txt")).read()
+    assert "onnxruntime-training-cpu==1.19.2" in freeze
+
+
+def eval_accuracy(model: torch.nn.Module, cfg) -> float:
+    data = schema.build(cfg.data, "data")
+    with torch.no_grad():
+        return (model(data.x_eval).argmax(-1) == data.y_eval).float().mean().item()
+
+
+def test_checkpoint_reloads_to_the_logged_accuracy(trained):
+    """The last checkpoint, loaded into a fresh model, reproduces the final eval accuracy."""
+    _, cfg, result, client = trained
+    backend = schema.build(cfg.backend, "backend")
+    latest = sorted((result.out_dir / "checkpoints").glob("step_*"))
+    assert [p.name.split(".")[0] for p in latest] == ["step_0000020", "step_0000040"]
+    params = backend.read_checkpoint(latest[-1])
+    model = schema.build(cfg.model, "model")
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in params.items()})
+    logged = client.get_run(result.run_id).data.metrics["final/eval_accuracy"]
+    assert eval_accuracy(model, cfg) == pytest.approx(logged, abs=1e-6)
+
+
+def test_onnx_model_infers_like_the_trained_model(trained):
+    _, cfg, result, client = trained
+    data = schema.build(cfg.data, "data")
+    session = onnxruntime.InferenceSession(str(result.out_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {session.get_inputs()[0].name: data.x_eval.numpy()})[0]
+    accuracy = float((logits.argmax(-1) == data.y_eval.numpy()).mean())
+    assert accuracy == pytest.approx(client.get_run(result.run_id).data.metrics["final/eval_accuracy"], abs=1e-6)
+    assert accuracy > 0.5  # 4 classes: well above chance after 40 steps
+
+
+def test_backend_config_names_itself(trained):
+    backend, cfg, _, _ = trained
+    assert cfg.backend.name == backend
