@@ -31,6 +31,7 @@ class Result:
     run_id: str
     metrics: dict[str, float]
     out_dir: Path
+    history: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], as logged
 
 
 def load_config(overrides: list[str] = ()) -> DictConfig:
@@ -62,7 +63,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
         png = plots.loss_curves({job.backend.name: job.history}, job.out_dir / "loss_curves.png", title=choices)
         tracker.log_artifact(png)
-    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir)
+    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.history)
     print_summary(cfg, job, result)
     return result
 

@@ -23,6 +23,7 @@ from orchestrate.schema import ConfigError, Device, LRSchedule, Precision
 # data.loss -> onnxblock loss (ORT's LossType names)
 LOSSES = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "bce_with_logits": "BCEWithLogitsLoss", "l1": "L1Loss"}
 OPTIMIZERS = ("AdamW", "SGD")  # what ORT's optimizer blocks offer
+ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
 
 
 class _FlatLogits(torch.nn.Module):
@@ -47,6 +48,10 @@ class OnDeviceBackend(Backend):
     intra_op_threads: int = 1
     allow_spinning: bool = True
     frozen_params: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names to freeze
+    # ORT's AdamW block defaults to Hugging Face's AdamW (adam_mode=1: weight decay after the update,
+    # epsilon before bias correction). `torch` sets adam_mode=0, PyTorch's AdamW, so that backends
+    # compare like with like.
+    adamw_mode: str = "torch"
 
     def check(self, job) -> None:
         import onnxruntime
@@ -61,6 +66,8 @@ class OnDeviceBackend(Backend):
         if kind == "SGD" and (opt.get("momentum", 0) or opt.get("weight_decay", 0)):
             raise ConfigError("optimizer.momentum and optimizer.weight_decay must be 0 with backend=ondevice: "
                               "ORT's SGD block is plain SGD")
+        if self.adamw_mode not in ADAMW_MODES:
+            raise ConfigError(f"backend.adamw_mode={self.adamw_mode!r}: allowed: {', '.join(ADAMW_MODES)}")
         if job.trainer.precision == Precision.fp16:
             raise ConfigError("trainer.precision=fp16 is not offered by backend=ondevice; allowed: fp32")
         if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
@@ -109,7 +116,19 @@ class OnDeviceBackend(Backend):
             artifact_directory=folder,
             additional_output_names=["logits"],
         )
+        self._set_adamw_mode(folder / "optimizer_model.onnx")
         return folder, prefix
+
+    def _set_adamw_mode(self, path: Path) -> None:
+        """The onnxblock hard-codes adam_mode=1; the op itself offers both modes."""
+        import onnx
+
+        model = onnx.load(str(path))
+        for node in model.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "AdamWOptimizer" and attribute.name == "adam_mode":
+                    attribute.i = ADAMW_MODES[self.adamw_mode]
+        onnx.save(model, str(path))
 
     def fit(self, job) -> None:
         import onnxruntime
@@ -126,7 +145,10 @@ class OnDeviceBackend(Backend):
         optimizer.set_learning_rate(job.lr * job.lr_factor(0))
         t = job.trainer
         # ORT ships a linear warm-up/decay scheduler; other schedules set the rate by hand each step.
-        scheduler = (LinearLRScheduler(optimizer, t.warmup_steps, t.max_steps, job.lr)
+        # onnxruntime-training 1.19.2's Python wrapper hands its two step counts to the C++ side in
+        # the wrong order (measured: warmup 3 of 10 steps ran as warmup 10 of 3), so they are passed
+        # swapped here; tests/backends/test_parity.py checks the rates against torch's LambdaLR.
+        scheduler = (LinearLRScheduler(optimizer, t.max_steps, t.warmup_steps, job.lr)
                      if t.lr_schedule == LRSchedule.linear else None)
         flat = self._prefix == "model."  # labels flattened to match _FlatLogits
         module.train()
