@@ -5,11 +5,13 @@ composing the config and building its objects once, before Hydra creates an outp
 run is opened in MLflow: one plain message, exit code 2.
 """
 
+import contextlib
+import io
 import sys
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from orchestrate import app, schema
 from orchestrate.job import Job
@@ -46,7 +48,7 @@ def explain(e: Exception, overrides: list[str]) -> str:
         options = cause.options or []
         chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == group), "?")
         return f"{group}={chosen}: no such choice; allowed: {', '.join(options)}"
-    if isinstance(cause, ConfigKeyError):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = cause.full_key or cause.key
         parent = key.rsplit(".", 1)[0] if key and "." in key else ""
         return f"{key}: unknown key{allowed_keys(parent)}"
@@ -70,8 +72,11 @@ def allowed_keys(parent: str) -> str:
 def validate(overrides: list[str]) -> None:
     """Compose and build the single-run config once; exit 2 with one message if it is wrong."""
     try:
-        cfg = app.load_config(overrides)
-        Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
+        # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
+        # check quiet so that bad input gets one message.
+        with contextlib.redirect_stderr(io.StringIO()):
+            cfg = app.load_config(overrides)
+            Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
     except schema.ConfigError as e:
         fail(str(e))
     except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:

@@ -46,9 +46,13 @@ class Job:
         # Same seed right before building the model: every backend starts from the same weights.
         seed_everything(cfg.trainer.seed)
         model = schema.build(cfg.model, "model")
-        schema.target_of(cfg.optimizer)
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
         backend.check(job)
+        schema.target_of(cfg.optimizer, "optimizer")
+        try:
+            job.train_batch(1)  # the data set can serve this batch size
+        except ValueError as e:
+            raise schema.ConfigError(str(e)) from None
         return job
 
     def __post_init__(self) -> None:

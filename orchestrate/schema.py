@@ -88,10 +88,14 @@ def check(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}={t[key]}: must be 0 or more")
     if t.warmup_steps >= t.max_steps and t.lr_schedule != LRSchedule.constant:
         raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be below trainer.max_steps={t.max_steps}")
-    if t.device == Device.cuda or t.precision == Precision.fp16:
+    fused_adam = str(cfg.optimizer.get("_target_", "")).endswith("FusedAdam")
+    if t.device == Device.cuda or t.precision == Precision.fp16 or fused_adam:
         import torch
 
-        if not torch.cuda.is_available():
+        if fused_adam and not torch.cuda.is_available():
+            raise ConfigError("optimizer=fused_adam (onnxruntime.training.optim.FusedAdam) needs CUDA, and this "
+                              "machine has none; allowed here: optimizer=adamw, optimizer=sgd")
+        if (t.device == Device.cuda or t.precision == Precision.fp16) and not torch.cuda.is_available():
             what = "trainer.device=cuda" if t.device == Device.cuda else "trainer.precision=fp16"
             raise ConfigError(f"{what} needs CUDA, and this machine has none; allowed here: trainer.device=cpu, trainer.precision=fp32")
     if t.precision == Precision.fp16 and t.device != Device.cuda:
@@ -101,16 +105,17 @@ def check(cfg: DictConfig) -> None:
             raise ConfigError(f"{group}._target_ is missing: name the class to build")
 
 
-def target_of(node: DictConfig) -> Any:
+def target_of(node: DictConfig, key: str) -> Any:
     try:
         return hydra.utils.get_object(node._target_)
     except Exception as e:
-        raise ConfigError(f"_target_={node._target_!r}: cannot import it ({e})") from None
+        reason = str(e).splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}._target_={node._target_}: cannot import it ({reason})") from None
 
 
 def build(node: DictConfig, key: str, *args: Any) -> Any:
     """`hydra.utils.instantiate` with errors that name the config key and the allowed keys."""
-    target = target_of(node)
+    target = target_of(node, key)
     allowed = [p for p in inspect.signature(target).parameters if p not in ("self", "args", "kwargs")]
     given = [k for k in node if not str(k).startswith("_")]
     unknown = [k for k in given if k not in allowed and "kwargs" not in inspect.signature(target).parameters]

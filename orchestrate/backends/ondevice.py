@@ -26,6 +26,29 @@ OPTIMIZERS = ("AdamW", "SGD")  # what ORT's optimizer blocks offer
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
 
 
+def stable_bce_with_logits():
+    """BCE with logits as max(x, 0) - x*y + log(1 + exp(-|x|)), written with onnxblock's blocks
+    as (x + |x|)/2 - x*y - log(sigmoid(|x|)). ORT's own BCEWithLogitsLoss block computes
+    log(sigmoid(x)) and log(1 - sigmoid(x)), which turn into NaN once a logit passes about 17."""
+    from onnxruntime.training.onnxblock import Block, blocks
+
+    class StableBCEWithLogits(Block):
+        def build(self, x: str, target: str = "target") -> str:
+            y = blocks.InputLike(x)(target)  # a new graph input shaped like the logits
+            abs_x = blocks.Abs()(x)
+            relu_x = blocks.Mul()(blocks.Add()(x, abs_x), blocks.Constant(0.5)())
+            softplus = blocks.Neg()(blocks.Log()(blocks.Sigmoid()(abs_x)))
+            return blocks.ReduceMean(keepdims=False)(blocks.Add()(blocks.Sub()(relu_x, blocks.Mul()(x, y)), softplus))
+
+    return StableBCEWithLogits()
+
+
+def _providers() -> list[str]:
+    import onnxruntime
+
+    return onnxruntime.get_available_providers()
+
+
 class _FlatLogits(torch.nn.Module):
     """ORT's CrossEntropyLoss block takes (N, C) logits: a language model's (B, T, C) output is
     flattened before the loss (its labels are flattened to (B*T,) to match)."""
@@ -54,8 +77,6 @@ class OnDeviceBackend(Backend):
     adamw_mode: str = "torch"
 
     def check(self, job) -> None:
-        import onnxruntime
-
         if job.data.loss not in LOSSES:
             raise ConfigError(f"data.loss={job.data.loss!r}: the on-device API offers {', '.join(LOSSES)}")
         opt = job.cfg.optimizer
@@ -70,7 +91,7 @@ class OnDeviceBackend(Backend):
             raise ConfigError(f"backend.adamw_mode={self.adamw_mode!r}: allowed: {', '.join(ADAMW_MODES)}")
         if job.trainer.precision == Precision.fp16:
             raise ConfigError("trainer.precision=fp16 is not offered by backend=ondevice; allowed: fp32")
-        if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in _providers():
             raise ConfigError("trainer.device=cuda needs the GPU build (pip install onnxruntime-training==1.19.2)")
         names = [n for n, _ in job.model.named_parameters()]
         for pattern in self.frozen_params:
@@ -111,7 +132,8 @@ class OnDeviceBackend(Backend):
             onnx_model,
             requires_grad=[prefix + n for n in names if n not in frozen],
             frozen_params=[prefix + n for n in frozen],
-            loss=getattr(artifacts.LossType, LOSSES[job.data.loss]),
+            loss=(stable_bce_with_logits() if job.data.loss == "bce_with_logits"
+                  else getattr(artifacts.LossType, LOSSES[job.data.loss])),
             optimizer=optimizer,
             artifact_directory=folder,
             additional_output_names=["logits"],

@@ -78,11 +78,7 @@ class ORTModuleBackend(TorchBackend):
         bad = [k for k in self.options if not k.startswith("ORTMODULE_")]
         if bad:
             raise ConfigError(f"backend.options.{bad[0]}: only ORTMODULE_* options are read by ORTModule")
-        cuda = torch.cuda.is_available()
-        if job.cfg.optimizer._target_.endswith("FusedAdam") and not cuda:
-            raise ConfigError("optimizer=fused_adam (onnxruntime.training.optim.FusedAdam) needs CUDA, and this "
-                              "machine has none; allowed here: optimizer=adamw, optimizer=sgd")
-        if self.fp16_optimizer and not cuda:
+        if self.fp16_optimizer and not torch.cuda.is_available():
             raise ConfigError("backend.fp16_optimizer=true (FP16_Optimizer) needs CUDA, and this machine has none; "
                               "allowed here: backend.fp16_optimizer=false")
 

@@ -1,0 +1,83 @@
+"""A run's life in MLflow: failures marked FAILED with the error, Ctrl-C marked KILLED, the last
+finished checkpoint intact either way; the character transformer trains on every backend."""
+
+import pytest
+import torch
+
+from orchestrate import app, schema
+from orchestrate.tasks.data import Synthetic
+from tests.conftest import BACKENDS, client_for, metric_steps
+
+
+def fail_at(position: int, error: BaseException):
+    real = Synthetic.train_batch
+
+    def train_batch(self, pos, *args, **kwargs):
+        if pos == position:
+            raise error
+        return real(self, pos, *args, **kwargs)
+
+    return train_batch
+
+
+@pytest.mark.parametrize("error,status", [(RuntimeError("disk on fire"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
+def test_a_crash_marks_the_run_and_keeps_the_last_checkpoint(error, status, make_cfg, tmp_path, monkeypatch):
+    cfg = make_cfg("backend=torch", "trainer.checkpoint_period=10", "trainer.max_steps=30")
+    monkeypatch.setattr(Synthetic, "train_batch", fail_at(24, error))  # step 25 never starts
+    with pytest.raises(type(error)):
+        app.train(cfg, tmp_path / "out")
+    client = client_for(cfg.tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.status == status
+    assert ("disk on fire" if status == "FAILED" else "KeyboardInterrupt") in run.data.tags["error"]
+    # Metrics up to the crash were flushed, checkpoints 10 and 20 are whole and loadable.
+    assert [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")][-1] == 20
+    folder = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_0000010.pt", "step_0000020.pt"]
+    state = torch.load(folder / "step_0000020.pt", weights_only=True)
+    assert state["step"] == 20
+    model = schema.build(cfg.model, "model")
+    model.load_state_dict(state["model"])
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == [
+        "checkpoints/step_0000010.pt", "checkpoints/step_0000020.pt"]
+
+
+def test_only_max_num_checkpoints_stay_on_disk(make_cfg, tmp_path):
+    cfg = make_cfg("backend=torch", "trainer.checkpoint_period=5", "trainer.max_steps=30", "trainer.max_num_checkpoints=2")
+    app.train(cfg, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_0000025.pt", "step_0000030.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_char_transformer_learns_on_every_backend(backend, make_cfg, tmp_path):
+    cfg = make_cfg(f"backend={backend}", "model=char_transformer", "data=python_source", "model.n_layer=1",
+                   "model.n_embd=64", "trainer.batch_size=16", "trainer.max_steps=40", "trainer.display_loss_steps=10",
+                   "trainer.evaluation_period=40", "optimizer.lr=0.003")
+    result = app.train(cfg, tmp_path / "out")
+    losses = [v for _, v in metric_steps(client_for(cfg.tracking.uri), result.run_id, "train/loss")]
+    assert losses[0] > 3.5  # about ln(96) = 4.56 at the start
+    assert losses[-1] < 0.8 * losses[0]
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_ondevice_frozen_parameters_do_not_move(make_cfg, tmp_path):
+    cfg = make_cfg("backend=ondevice", "backend.frozen_params=[net.0.*]", "trainer.max_steps=20")
+    result = app.train(cfg, tmp_path / "out")
+    backend = schema.build(cfg.backend, "backend")
+    trained = backend.read_checkpoint(sorted((result.out_dir / "checkpoints").glob("*.ckpt"))[-1])
+    torch.manual_seed(cfg.trainer.seed)
+    initial = dict(schema.build(cfg.model, "model").named_parameters())
+    assert torch.equal(torch.from_numpy(trained["net.0.weight"]), initial["net.0.weight"].detach())
+    assert not torch.equal(torch.from_numpy(trained["net.2.weight"]), initial["net.2.weight"].detach())
+
+
+# lr=0.01 for 30 steps drove ORT's own BCEWithLogitsLoss block to NaN; the stable block stays finite.
+@pytest.mark.parametrize("target,loss", [("regression", "mse"), ("regression", "l1"), ("multilabel", "bce_with_logits")])
+def test_ondevice_losses(target, loss, make_cfg, tmp_path):
+    cfg = make_cfg("backend=ondevice", f"data.target={target}", f"data.loss={loss}", "trainer.max_steps=30",
+                   "optimizer.lr=0.01")
+    result = app.train(cfg, tmp_path / "out")
+    losses = [v for _, v in result.history["train/loss"]]
+    assert losses[-1] < losses[0]
+    assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
