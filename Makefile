@@ -1,0 +1,36 @@
+# Two commands: `make run` (set up, then train the default experiment) and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup run test bench ui clean
+
+# The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "onnxruntime-training 1.19.2 needs Python 3.11; set PYTHON=..."'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+# ORTModule's C++ extensions, compiled once against the installed torch (about 3 minutes on 2 cores).
+$(VENV)/.ortmodule-extensions: $(VENV)/.installed
+	$(BIN)/python -c 'from orchestrate.backends.ortmodule import ensure_extensions; ensure_extensions()'
+	touch $@
+
+setup: $(VENV)/.ortmodule-extensions
+
+run: setup
+	$(BIN)/python -m orchestrate $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/backends.py $(ARGS)
+
+ui:
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf $(VENV) outputs multirun mlruns mlartifacts mlflow.db
