@@ -88,14 +88,41 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def rewrite_sweep_words(argv: list[str]) -> list[str]:
+    """Hydra's grammar rejects a bare `+sweep` ("missing EQUAL"), so it is read here:
+    `+sweep` -> multirun with the experiment's sweep; `+sweep=NAME` -> multirun with
+    conf/sweep/NAME.yaml; `+dry_run` -> print the sweep's plan and run nothing."""
+    out, multirun = [], False
+    for arg in argv:
+        if arg == "+sweep":
+            multirun = True
+        elif arg.startswith("+sweep="):
+            multirun = True
+            out.append(arg[1:])  # `sweep` is in the defaults list: override the choice
+        elif arg == "+dry_run":
+            multirun = True
+            out.append("hydra.launcher.dry_run=true")
+        else:
+            out.append(arg)
+    if multirun and not any(a in MULTIRUN_FLAGS for a in out):
+        out.insert(0, "--multirun")
+    return out
+
+
 def main() -> None:
-    argv = sys.argv[1:]
+    argv = rewrite_sweep_words(sys.argv[1:])
     flags, overrides = split_args(argv)
     multirun = any(f in MULTIRUN_FLAGS for f in flags)
     if not multirun and not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
         validate(overrides)
     sys.argv = [sys.argv[0], *argv]
-    app.hydra_main()
+    try:
+        app.hydra_main()
+    finally:
+        if multirun:
+            from orchestrate.launch import _core
+
+            _core.close_open_sweep()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from orchestrate import plots, schema
@@ -21,9 +22,10 @@ from orchestrate.tracking import Tracker, ui_command
 
 log = logging.getLogger(__name__)
 
-# conf/ sits beside the package in a checkout (and in the editable install the README uses).
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-schema.register()
+# conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = str(ROOT / "conf")
+schema.register(ROOT / "experiments")
 
 
 @dataclass
@@ -84,9 +86,13 @@ def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
+    """One job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
+    hydra_cfg = HydraConfig.get()
     try:
-        result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        result = train(cfg, Path(hydra_cfg.runtime.output_dir))
     except schema.ConfigError as e:
+        if hydra_cfg.mode != RunMode.RUN:
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    return result.metrics.get("eval_loss")
+    return result.metrics.get(cfg.sweep.metric)

@@ -4,6 +4,7 @@ data, optimizer) are checked against their target's signature when they are buil
 
 import enum
 import inspect
+from pathlib import Path
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
@@ -59,6 +60,13 @@ class TrackingConf:
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact
     tags: dict[str, str] = field(default_factory=dict)
+    parent_run_id: Optional[str] = None  # set by the sweep launcher: the trial nests under this run
+
+
+@dataclass
+class SweepConf:
+    name: str = "default"  # the conf/sweep file in use (each sets its own)
+    metric: str = "eval_loss"  # final metric a trial returns (Optuna optimises it; the summary ranks by it)
 
 
 @dataclass
@@ -69,11 +77,16 @@ class Config:
     optimizer: Any = MISSING  # a torch.optim class, `_partial_: true`
     trainer: TrainerConf = field(default_factory=TrainerConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)
+    sweep: SweepConf = field(default_factory=SweepConf)
 
 
-def register() -> None:
+def register(experiments_dir: Path) -> None:
+    """The schema, and each `experiments/NAME.yaml` as option NAME of group `experiment`
+    (so `+experiment=NAME` picks it), in the global package as their header says."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    for path in sorted(experiments_dir.glob("*.yaml")):
+        cs.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 def check(cfg: DictConfig) -> None:

@@ -67,10 +67,13 @@ class Tracker:
         self.mlflow = mlflow
         mlflow.set_tracking_uri(cfg.tracking.uri)
         mlflow.set_experiment(cfg.tracking.experiment)
-        self.run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, nested=mlflow.active_run() is not None)
+        # A sweep's trial runs in another process than its parent run: nest it by the parent tag.
+        parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+        self.run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=parent)
         self.run_id = self.run.info.run_id
         self.log_checkpoints = cfg.tracking.log_checkpoints
-        all_tags = {"git_commit": git_commit(), "python": platform.python_version(),
+        all_tags = {"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
+                    "pid": str(os.getpid()),
                     **{f"version.{k}": v for k, v in versions().items()}, **tags, **cfg.tracking.tags}
         mlflow.set_tags(all_tags)
         params = flatten(cfg)
