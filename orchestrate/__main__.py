@@ -104,6 +104,15 @@ def rewrite_sweep_words(argv: list[str]) -> list[str]:
             out.append("hydra.launcher.dry_run=true")
         else:
             out.append(arg)
+    if "+sweep" in argv:
+        # The experiment's sweep, or the configured default when it names none.
+        _, overrides = split_args(out)
+        try:
+            cfg = app.load_config(overrides)
+            if cfg.sweep.name == "none":
+                out.append(f"sweep={cfg.sweep.default}")
+        except Exception:
+            pass  # composition errors are reported by Hydra itself, with the whole command line
     if multirun and not any(a in MULTIRUN_FLAGS for a in out):
         out.insert(0, "--multirun")
     return out

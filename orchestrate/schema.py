@@ -65,7 +65,8 @@ class TrackingConf:
 
 @dataclass
 class SweepConf:
-    name: str = "default"  # the conf/sweep file in use (each sets its own)
+    name: str = "none"  # the conf/sweep file in use (each sets its own); none: plain Hydra multirun
+    default: str = "lr_grid"  # what a bare `+sweep` runs when no experiment picked a sweep
     metric: str = "eval_loss"  # final metric a trial returns (Optuna optimises it; the summary ranks by it)
 
 

@@ -4,6 +4,7 @@ trials as Ray tasks, and print and log the summary. Imported lazily by the Hydra
 import contextlib
 import io
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 
 from orchestrate import schema
 from orchestrate.tracking import ui_command
-from orchestrate.launch.sweep_runs import (TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
+from orchestrate.launch.sweep_runs import (TRIAL_ENV, TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
                                            trial_name)
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ OPEN_SWEEP = None  # the sweep this process is running, closed by close_open_swe
 def _run_trial(hydra_context, task_function, sweep_config, singleton_state) -> JobReturn:
     """Runs in a Ray worker: restore Hydra's global state, then run the job in its own folder."""
     started_at = time.time()
+    os.environ.update(TRIAL_ENV)
     setup_globals()
     Singleton.set_state(singleton_state)
     HydraConfig.instance().set_config(sweep_config)
