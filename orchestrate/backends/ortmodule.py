@@ -8,6 +8,7 @@ CUDA). So this backend *is* the PyTorch loop (`TorchBackend.fit`) with two hooks
 model is wrapped and which optimizer steps it.
 """
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -28,10 +29,12 @@ LOG_LEVELS = ("VERBOSE", "INFO", "WARNING", "ERROR", "FATAL")
 
 
 def extensions_built() -> bool:
-    """The check ORTModule makes when it is imported, made without importing it."""
-    import onnxruntime
-
-    folder = Path(onnxruntime.__file__).parent / "training" / "ortmodule" / "torch_cpp_extensions"
+    """The check ORTModule makes when it is imported, made without importing it (importing
+    `onnxruntime` alone already imports ORTModule, which then decides the extensions are missing)."""
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("onnxruntime is not installed: pip install onnxruntime-training-cpu==1.19.2")
+    folder = Path(spec.submodule_search_locations[0]) / "training" / "ortmodule" / "torch_cpp_extensions"
     return any(folder.glob("*.so")) or any(folder.glob("*.dll")) or any(folder.glob("*.dylib"))
 
 

@@ -81,10 +81,15 @@ class Sweep:
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    cfg, conf = launcher.config, launcher.conf
+    if conf.address is None:
+        # A local Ray replaces 127.0.0.1 (even `_node_ip_address="127.0.0.1"`) with the machine's
+        # network address unless it believes multi-node clusters are off: with this, every port it
+        # opens is bound to 127.0.0.1. Read when ray is imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     setup_globals()
-    cfg, conf = launcher.config, launcher.conf
     configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
     loader = launcher.hydra_context.config_loader
 
@@ -121,7 +126,6 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     if not ray.is_initialized():
         began = time.perf_counter()
         ray.init(address=conf.address, num_cpus=conf.num_cpus if conf.address is None else None,
-                 _node_ip_address="127.0.0.1" if conf.address is None else None,
                  include_dashboard=False, log_to_driver=True, configure_logging=False)
         log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
     remote = ray.remote(_run_trial).options(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial,

@@ -152,3 +152,10 @@ def test_a_bad_trial_stops_the_sweep_before_anything_runs(tmp_path):
     assert done.returncode == 2
     assert "error: trial 0 (trainer.max_steps=0" in done.stderr and "must be at least 1" in done.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_local_sweep_keeps_ray_on_loopback(tmp_path):
+    done = sweep("-m", "optimizer.lr=0.001", *QUICK, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ready = next(line for line in (done.stdout + done.stderr).splitlines() if "Ray ready" in line)
+    assert "'node:127.0.0.1'" in ready
