@@ -47,6 +47,7 @@ class Job:
         seed_everything(cfg.trainer.seed)
         model = schema.build(cfg.model, "model")
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
+        backend.check_workers(job)
         backend.check(job)
         schema.target_of(cfg.optimizer, "optimizer")
         try:
@@ -60,6 +61,7 @@ class Job:
         # loop reads these settings several times a step.
         self.trainer: schema.TrainerConf = OmegaConf.to_object(self.cfg.trainer)
         self.lr = float(self.cfg.optimizer.lr)
+        self.samples_per_step = self.trainer.batch_size  # the runner: batch x accumulation x workers
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         return schema.build(self.cfg.optimizer, "optimizer", params)
@@ -114,7 +116,7 @@ class Job:
         mean_loss = self._window_loss / self._window_steps
         metrics = {
             "train/loss": mean_loss,
-            "perf/samples_per_sec": self._window_steps * self.trainer.batch_size / seconds,
+            "perf/samples_per_sec": self._window_steps * self.samples_per_step / seconds,
             "perf/step_time_ms": 1000.0 * seconds / self._window_steps,
             "lr": self.lr * self.lr_factor(step - 1),
         }
@@ -122,7 +124,7 @@ class Job:
         if self._timed_steps or self._window_steps == self.trainer.max_steps or step > self.trainer.display_loss_steps:
             self._timed_steps += self._window_steps
             self._timed_seconds += seconds
-        self._log(metrics, step)
+        self.log(metrics, step)
         self.final["train_loss"] = mean_loss
         self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
         self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
@@ -137,7 +139,7 @@ class Job:
         metrics = {"eval/loss": loss}
         if accuracy is not None:
             metrics["eval/accuracy"] = accuracy
-        self._log(metrics, step)
+        self.log(metrics, step)
         self.final.update({k.replace("/", "_"): v for k, v in metrics.items()})
         msg = f"step {step}: eval loss {loss:.4f}" + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
         self._bar.write(f"[{self.backend.name}] {msg}")
@@ -176,12 +178,13 @@ class Job:
         return found[-1] if found else None
 
     def summary(self) -> dict[str, float]:
-        if self._timed_steps:
-            self.final["samples_per_sec"] = self._timed_steps * self.trainer.batch_size / self._timed_seconds
+        if getattr(self, "_timed_steps", 0):
+            self.final["samples_per_sec"] = self._timed_steps * self.samples_per_step / self._timed_seconds
             self.final["step_time_ms"] = 1000.0 * self._timed_seconds / self._timed_steps
         return dict(self.final)
 
-    def _log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Keep `metrics` in the history (for the loss-curve chart) and send them to MLflow."""
         for k, v in metrics.items():
             self.history.setdefault(k, []).append((step, v))
         if self.tracker is not None:

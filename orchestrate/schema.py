@@ -51,6 +51,8 @@ class TrainerConf:
     device: Device = Device.cpu
     precision: Precision = Precision.fp32
     progress: bool = True  # progress bar on the console
+    num_workers: int = 1  # data-parallel workers (backend=runner)
+    gradient_accumulation_steps: int = 1  # micro-batches per weight update (backend=runner)
 
 
 @dataclass
@@ -93,7 +95,8 @@ def register(experiments_dir: Path) -> None:
 def check(cfg: DictConfig) -> None:
     """Value checks that a type cannot express."""
     t = cfg.trainer
-    positive = ["max_steps", "batch_size", "eval_batch_size", "display_loss_steps", "max_num_checkpoints"]
+    positive = ["max_steps", "batch_size", "eval_batch_size", "display_loss_steps", "max_num_checkpoints",
+                "num_workers", "gradient_accumulation_steps"]
     for key in positive:
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}={t[key]}: must be at least 1")

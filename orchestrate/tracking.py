@@ -13,6 +13,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,30 @@ class Tracker:
                 self.mlflow.set_tag("error", f"{exc_type.__name__}: {exc}"[:5000])
                 self.mlflow.end_run("FAILED")
         return False
+
+
+class RunLogger:
+    """Logs into a run that another process opened (rank 0 of the runner's workers)."""
+
+    def __init__(self, uri: str, run_id: str):
+        from mlflow.tracking import MlflowClient
+
+        self.client, self.run_id = MlflowClient(tracking_uri=uri), run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
+                              synchronous=False)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def flush(self) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()
 
 
 def ui_command(uri: str) -> str:

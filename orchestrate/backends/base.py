@@ -12,9 +12,20 @@ class Backend(ABC):
     dataclass that subclasses this)."""
 
     name: str  # the conf/backend file's name; tags the MLflow run and prefixes the progress bar
+    distributed = False  # True: the backend runs trainer.num_workers workers with gradient accumulation
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
+
+    def check_workers(self, job) -> None:
+        """Single-process backends refuse the runner's settings (called before `check`)."""
+        from orchestrate.schema import ConfigError
+
+        t = job.trainer
+        if not self.distributed and (t.num_workers > 1 or t.gradient_accumulation_steps > 1):
+            raise ConfigError(f"trainer.num_workers={t.num_workers} and trainer.gradient_accumulation_steps="
+                              f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
+                              "in one process with one batch per step")
 
     @abstractmethod
     def fit(self, job) -> None:
