@@ -136,6 +136,15 @@ class RunLogger:
         mlflow.flush_async_logging()
 
 
+def absolute_uri(uri: str) -> str:
+    """`sqlite:///mlflow.db` is relative to the working directory: make it absolute before handing
+    it to a process that runs elsewhere (Ray Train workers run in their own folders)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        return prefix + os.path.abspath(uri[len(prefix):])
+    return uri
+
+
 def ui_command(uri: str) -> str:
     store = uri if "://" in uri else os.path.abspath(uri)
     return f"mlflow ui --backend-store-uri {store} --host 127.0.0.1 --port 5000"

@@ -29,6 +29,7 @@ import torch
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import LOSSES, TorchBackend, evaluate, export_onnx
 from orchestrate.schema import ConfigError, LRSchedule, Precision
+from orchestrate.tracking import absolute_uri
 
 ENGINES = ("ortmodule", "torch")
 
@@ -73,8 +74,8 @@ class RunnerBackend(Backend):
             raise ConfigError(f"trainer.num_workers={job.trainer.num_workers} asks for {wanted:g} CPUs; "
                               f"the Ray cluster has {have:g}")
         config = {"cfg": OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True),
-                  "out_dir": str(job.out_dir), "run_id": job.tracker.run_id if job.tracker else None,
-                  "uri": job.cfg.tracking.uri}
+                  "out_dir": str(job.out_dir.resolve()), "run_id": job.tracker.run_id if job.tracker else None,
+                  "uri": absolute_uri(job.cfg.tracking.uri)}
         trainer = TorchTrainer(
             worker_loop, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=job.trainer.num_workers, use_gpu=self.use_gpu,
