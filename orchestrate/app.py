@@ -5,7 +5,6 @@
     python -m orchestrate model=char_transformer data=python_source
 """
 
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from orchestrate import plots, schema
 from orchestrate.job import Job
 from orchestrate.tracking import Tracker, ui_command
 
-log = logging.getLogger(__name__)
 
 # conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
 ROOT = Path(__file__).resolve().parent.parent

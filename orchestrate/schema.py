@@ -133,9 +133,10 @@ def target_of(node: DictConfig, key: str) -> Any:
 def build(node: DictConfig, key: str, *args: Any) -> Any:
     """`hydra.utils.instantiate` with errors that name the config key and the allowed keys."""
     target = target_of(node, key)
-    allowed = [p for p in inspect.signature(target).parameters if p not in ("self", "args", "kwargs")]
+    parameters = inspect.signature(target).parameters
+    allowed = [p for p in parameters if p not in ("self", "args", "kwargs")]
     given = [k for k in node if not str(k).startswith("_")]
-    unknown = [k for k in given if k not in allowed and "kwargs" not in inspect.signature(target).parameters]
+    unknown = [k for k in given if k not in allowed and "kwargs" not in parameters]
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}: unknown key for {node._target_}; allowed keys: {', '.join(allowed)}")
     if is_dataclass(target):

@@ -7,7 +7,6 @@ final/samples_per_sec, final/step_time_ms, final/wall_time_s.
 """
 
 import importlib.metadata
-import logging
 import os
 import platform
 import subprocess
@@ -19,7 +18,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-log = logging.getLogger(__name__)
 
 VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
 

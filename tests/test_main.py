@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrate.__main__ import main
-from tests.conftest import BACKENDS, ROOT, metric_steps
+from tests.conftest import BACKENDS, metric_steps
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:

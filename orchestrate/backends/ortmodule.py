@@ -9,7 +9,6 @@ model is wrapped and which optimizer steps it.
 """
 
 import importlib.util
-import logging
 import os
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import torch
 from orchestrate.backends.torch import TorchBackend
 from orchestrate.schema import ConfigError
 
-log = logging.getLogger(__name__)
 
 LOG_LEVELS = ("VERBOSE", "INFO", "WARNING", "ERROR", "FATAL")
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from orchestrate.backends.base import Backend
-from orchestrate.backends.torch import LOSSES, TorchBackend, evaluate, export_onnx
-from orchestrate.schema import ConfigError, LRSchedule, Precision
+from orchestrate.backends.torch import LOSSES, evaluate, export_onnx, make_scheduler, read_checkpoint, save_checkpoint
+from orchestrate.schema import ConfigError, Precision
 from orchestrate.tracking import absolute_uri
 
 ENGINES = ("ortmodule", "torch")
@@ -88,7 +88,7 @@ class RunnerBackend(Backend):
         job.final.update(summary["final"])
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
-        return TorchBackend().read_checkpoint(path)
+        return read_checkpoint(path)
 
 
 def worker_loop(config: dict) -> None:
@@ -122,8 +122,7 @@ def worker_loop(config: dict) -> None:
         model = ORTModuleBackend(intra_op_threads=threads).wrap(plain, job)
     ddp = DDP(model)
     optimizer = job.make_optimizer(ddp.parameters())
-    scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
-                 if t.lr_schedule != LRSchedule.constant else None)
+    scheduler = make_scheduler(optimizer, job)
     loss_fn = LOSSES[job.data.loss]
     if rank == 0 and job.tracker:
         job.log({"world_size": world, "effective_batch_size": job.samples_per_step}, step=0)
@@ -150,10 +149,7 @@ def worker_loop(config: dict) -> None:
         job.record(step, loss_sum)
         if rank == 0:
             job.evaluate(step, lambda: evaluate(plain, job))
-            job.checkpoint(step, lambda path: torch.save({
-                "step": step, "model": plain.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler else None, "rng": torch.get_rng_state(),
-            }, path), suffix=".pt")
+            job.checkpoint(step, lambda path: save_checkpoint(path, step, plain, optimizer, scheduler), suffix=".pt")
 
     summary = job.summary()
     if rank == 0:

@@ -60,6 +60,30 @@ def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset:
     model.train(was_training)
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer, job):
+    """The job's schedule as a LambdaLR, or None when the rate is constant (LambdaLR costs tens of
+    microseconds a step)."""
+    if job.trainer.lr_schedule == LRSchedule.constant:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
+
+
+def save_checkpoint(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """What a resume needs: step, weights, optimizer and schedule state, RNG state."""
+    torch.save({
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "rng": torch.get_rng_state(),
+    }, path)
+
+
+def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k: v.numpy() for k, v in state["model"].items()}
+
+
 @dataclass
 class TorchBackend(Backend):
     name: str = "torch"
@@ -83,9 +107,7 @@ class TorchBackend(Backend):
         plain = job.model.to(device)  # keep the unwrapped module: checkpoints and export use it
         model = self.wrap(plain, job)
         optimizer = self.make_optimizer(model, job)
-        # LambdaLR costs tens of microseconds a step: left out when the rate is constant.
-        scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
-                     if job.trainer.lr_schedule != LRSchedule.constant else None)
+        scheduler = make_scheduler(optimizer, job)
         loss_fn = LOSSES[job.data.loss]
         # fp16 (CUDA only): autocast the forward, scale the loss so small gradients survive.
         fp16 = job.trainer.precision == Precision.fp16
@@ -106,16 +128,9 @@ class TorchBackend(Backend):
 
             job.record(step, loss.item())
             job.evaluate(step, lambda: evaluate(model, job))
-            job.checkpoint(step, lambda path: torch.save({
-                "step": step,
-                "model": plain.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler else None,
-                "rng": torch.get_rng_state(),
-            }, path), suffix=".pt")
+            job.checkpoint(step, lambda path: save_checkpoint(path, step, plain, optimizer, scheduler), suffix=".pt")
 
         job.save_model(lambda path: export_onnx(plain, job.data.sample_input().to(device), path))
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        return {k: v.numpy() for k, v in state["model"].items()}
+        return read_checkpoint(path)
