@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from orchestrate import app, schema
 from orchestrate.job import Job
+from orchestrate.tracking import find_resume
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -77,6 +78,7 @@ def validate(overrides: list[str]) -> None:
         with contextlib.redirect_stderr(io.StringIO()):
             cfg = app.load_config(overrides)
             Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
+            find_resume(cfg)  # trainer.resume names a run that exists, with a checkpoint; reads only
     except schema.ConfigError as e:
         fail(str(e))
     except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from orchestrate import plots, schema
 from orchestrate.job import Job
-from orchestrate.tracking import Tracker, ui_command
+from orchestrate.tracking import Tracker, find_resume, logged_history, ui_command
 
 
 # conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
@@ -56,13 +56,26 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
             "data": cfg.data._target_}
-    with Tracker(cfg, run_name=choices.lower(), tags=tags) as tracker:
+    job.backend.connect(job)  # e.g. a Ray cluster with room for the workers; ConfigError if not
+    resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
+    if resume is not None:
+        job.resume_from = resume.fetch(job.out_dir / "checkpoints")
+        print(f"resuming MLflow run {resume.run_id} after step {resume.step} ({job.resume_from})", flush=True)
+    elif cfg.trainer.resume == "auto":
+        print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
+              flush=True)
+    with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
+                 resume_run_id=resume.run_id if resume else None) as tracker:
         job.tracker = tracker
+        if resume is not None:
+            job.continue_history(logged_history(cfg.tracking.uri, resume.run_id))
         job.backend.fit(job)
         metrics = job.summary()
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
         png = plots.loss_curves({job.backend.name: job.history}, job.out_dir / "loss_curves.png", title=choices)
         tracker.log_artifact(png)
+        if (job.out_dir / "tensorboard").is_dir():
+            tracker.mlflow.log_artifacts(str(job.out_dir / "tensorboard"), "tensorboard")
     result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.history)
     print_summary(cfg, job, result)
     return result

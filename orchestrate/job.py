@@ -36,6 +36,8 @@ class Job:
     tracker: Any = None  # orchestrate.tracking.Tracker, attached once the run starts
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     final: dict[str, float] = field(default_factory=dict)
+    resume_from: Path | None = None  # trainer.resume: the checkpoint to continue from
+    logged_through: dict[str, int] = field(default_factory=dict)  # resumed run: last step in MLflow, per metric
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path) -> "Job":
@@ -48,6 +50,9 @@ class Job:
         model = schema.build(cfg.model, "model")
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
         backend.check_workers(job)
+        if cfg.trainer.resume and not backend.resumable:
+            raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
+                                     "checkpoints to continue; allowed with backend=torch, ortmodule or runner")
         backend.check(job)
         schema.target_of(cfg.optimizer, "optimizer")
         try:
@@ -166,6 +171,8 @@ class Job:
 
     def save_model(self, write: Callable[[Path], None]) -> Path:
         """Save the trained model as ONNX for inference (`model.onnx`) and log it."""
+        if getattr(self, "_tb", None) is not None:
+            self._tb.close()  # the end of training: the event files are complete
         path = self.out_dir / "model.onnx"
         path.parent.mkdir(parents=True, exist_ok=True)
         write(path)
@@ -183,9 +190,28 @@ class Job:
             self.final["step_time_ms"] = 1000.0 * self._timed_seconds / self._timed_steps
         return dict(self.final)
 
+    def continue_history(self, logged: dict[str, list[tuple[int, float]]]) -> None:
+        """A resumed run: take over the curves already in MLflow, and log no step of them again
+        (the steps between the last checkpoint and a crash were logged before it)."""
+        self.history = {k: list(v) for k, v in logged.items()}
+        self.logged_through = {k: v[-1][0] for k, v in logged.items() if v}
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Keep `metrics` in the history (for the loss-curve chart) and send them to MLflow."""
+        if self.logged_through:
+            metrics = {k: v for k, v in metrics.items() if step > self.logged_through.get(k, -1)}
         for k, v in metrics.items():
             self.history.setdefault(k, []).append((step, v))
-        if self.tracker is not None:
+        if self.tracker is not None and metrics:
             self.tracker.log_metrics(metrics, step)
+            if self.trainer.tensorboard:
+                self._tensorboard(metrics, step)
+
+    def _tensorboard(self, metrics: dict[str, float], step: int) -> None:
+        """trainer.tensorboard: the same scalars as TensorBoard events in <outputs>/tensorboard."""
+        if getattr(self, "_tb", None) is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        for k, v in metrics.items():
+            self._tb.add_scalar(k, v, step)

@@ -53,6 +53,11 @@ class TrainerConf:
     progress: bool = True  # progress bar on the console
     num_workers: int = 1  # data-parallel workers (backend=runner)
     gradient_accumulation_steps: int = 1  # micro-batches per weight update (backend=runner)
+    # "auto": continue the newest unfinished MLflow run with this same config from its latest
+    # checkpoint (a fresh run when there is none); a run id: continue that run. Same MLflow run,
+    # each step logged once.
+    resume: Optional[str] = None
+    tensorboard: bool = False  # also write TensorBoard event files to <outputs>/tensorboard
 
 
 @dataclass

@@ -13,6 +13,7 @@ class Backend(ABC):
 
     name: str  # the conf/backend file's name; tags the MLflow run and prefixes the progress bar
     distributed = False  # True: the backend runs trainer.num_workers workers with gradient accumulation
+    resumable = False  # True: `fit` continues from `job.resume_from` (trainer.resume)
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
@@ -27,11 +28,16 @@ class Backend(ABC):
                               f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
                               "in one process with one batch per step")
 
+    def connect(self, job) -> None:
+        """Reach what the run needs outside this process (the runner: a Ray cluster that can place
+        its workers), raising ConfigError if it cannot be had. Called before the MLflow run opens."""
+
     @abstractmethod
     def fit(self, job) -> None:
         """Train `job.model` on `job.data` for `job.trainer.max_steps` steps, calling
         `job.record` every step, `job.evaluate` and `job.checkpoint` at their periods, and
-        `job.save_model` once at the end."""
+        `job.save_model` once at the end. A resumable backend starts after the step stored in
+        `job.resume_from` when that is set, with the state it holds."""
 
     @abstractmethod
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:

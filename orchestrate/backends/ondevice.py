@@ -75,6 +75,7 @@ class OnDeviceBackend(Backend):
     # epsilon before bias correction). `torch` sets adam_mode=0, PyTorch's AdamW, so that backends
     # compare like with like.
     adamw_mode: str = "torch"
+    mapped_dimensions: dict[str, int] = field(default_factory=dict)  # e.g. {batch: 64}: fix a symbolic dimension
 
     def check(self, job) -> None:
         if job.data.loss not in LOSSES:
@@ -100,9 +101,9 @@ class OnDeviceBackend(Backend):
         if names and all(any(fnmatch.fnmatch(n, p) for p in self.frozen_params) for n in names):
             raise ConfigError("backend.frozen_params freezes every parameter: nothing would train")
 
-    def generate_artifacts(self, job) -> tuple[Path, str]:
+    def generate_artifacts(self, job, folder: Path) -> tuple[Path, str]:
         """Export the model and build the training, eval and optimizer graphs plus the initial
-        checkpoint. Returns the artifact folder and the prefix of parameter names in it."""
+        checkpoint into `folder`. Returns the folder and the prefix of parameter names in it."""
         import onnx
         from onnxruntime.training import artifacts, onnxblock
 
@@ -126,7 +127,6 @@ class OnDeviceBackend(Backend):
                                               weight_decay=opt.get("weight_decay", 0.01))
         else:
             optimizer = onnxblock.optim.SGD()
-        folder = job.out_dir / "artifacts"
         folder.mkdir(parents=True, exist_ok=True)
         artifacts.generate_artifacts(
             onnx_model,
@@ -152,14 +152,23 @@ class OnDeviceBackend(Backend):
                     attribute.i = ADAMW_MODES[self.adamw_mode]
         onnx.save(model, str(path))
 
-    def fit(self, job) -> None:
+    def fit(self, job, rank: int = 0, world_size: int = 1, sync=None) -> None:
+        """The loop. The runner calls it on each of its workers with the worker's rank and a `sync`
+        (orchestrate.backends.runner.OnDeviceSync) that all-reduces gradients before each
+        optimizer step or averages the parameters after it; rank 0 alone evaluates and saves."""
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
-        folder, self._prefix = self.generate_artifacts(job)
+        import tempfile
+
+        # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
+        folder = job.out_dir / "artifacts" if rank == 0 else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{rank}_"))
+        folder, self._prefix = self.generate_artifacts(job, folder)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.intra_op_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
+        for name, value in self.mapped_dimensions.items():  # symbolic dimensions fixed, as in ORT's API
+            options.add_free_dimension_override_by_name(name, value)
         state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
                         device=job.trainer.device.value, session_options=options)
@@ -173,11 +182,17 @@ class OnDeviceBackend(Backend):
         scheduler = (LinearLRScheduler(optimizer, t.max_steps, t.warmup_steps, job.lr)
                      if t.lr_schedule == LRSchedule.linear else None)
         flat = self._prefix == "model."  # labels flattened to match _FlatLogits
+        K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
         module.train()
 
         for step in job.steps():
-            x, y = job.train_batch(step)
-            loss, _ = module(x.numpy(), (y.reshape(-1) if flat else y).numpy())
+            loss_sum = 0.0
+            for micro in range(K):  # each train step adds its gradients to ORT's buffers
+                x, y = job.data.train_batch((step - 1) * K + micro, t.batch_size, t.seed, rank, world_size)
+                loss, _ = module(x.numpy(), (y.reshape(-1) if flat else y).numpy())
+                loss_sum += float(loss)
+            if sync is not None:
+                sync.before_update(step, state)  # all-reduce the gradients (data-parallel runner)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
@@ -185,13 +200,17 @@ class OnDeviceBackend(Backend):
                 optimizer.set_learning_rate(job.lr * job.lr_factor(step))
             # Gradients are zeroed inside the next train step's graph, not by a separate pass.
             module.lazy_reset_grad()
+            if sync is not None:
+                sync.after_update(step, module)  # or average the parameters every N updates
 
-            job.record(step, float(loss))
-            job.evaluate(step, lambda: self.evaluate(module, job, flat))
-            job.checkpoint(step, lambda path: CheckpointState.save_checkpoint(state, str(path), include_optimizer_state=True),
-                           suffix=".ckpt")
+            job.record(step, loss_sum / K)
+            if rank == 0:
+                job.evaluate(step, lambda: self.evaluate(module, job, flat))
+                job.checkpoint(step, lambda path: CheckpointState.save_checkpoint(
+                    state, str(path), include_optimizer_state=True), suffix=".ckpt")
 
-        job.save_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
+        if rank == 0:
+            job.save_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
 
     def evaluate(self, module, job, flat: bool) -> tuple[float, float | None]:
         """Forward only, through the eval graph that shares the training parameters."""

@@ -71,6 +71,7 @@ class ORTModuleBackend(TorchBackend):
     # ORTMODULE_* environment options (seed 001), for example ORTMODULE_MEMORY_OPT_LEVEL: 1
     options: dict[str, str] = field(default_factory=dict)
     fp16_optimizer: bool = False  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
+    mapped_dimensions: dict[str, int] = field(default_factory=dict)  # symbolic dimension -> size, for ORT's sessions
 
     def check(self, job) -> None:
         super().check(job)
@@ -109,6 +110,8 @@ class ORTModuleBackend(TorchBackend):
                 if self.intra_op_threads:
                     options.intra_op_num_threads = self.intra_op_threads
                 options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
+                for name, value in self.mapped_dimensions.items():
+                    options.add_free_dimension_override_by_name(name, value)
                 return options, providers, provider_options
 
             manager._get_session_config = types.MethodType(with_threads, manager)

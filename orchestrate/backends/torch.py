@@ -3,6 +3,8 @@
     python -m orchestrate backend=torch
 """
 
+import io
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,15 +70,51 @@ def make_scheduler(optimizer: torch.optim.Optimizer, job):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_factor)
 
 
-def save_checkpoint(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler) -> None:
-    """What a resume needs: step, weights, optimizer and schedule state, RNG state."""
+def save_checkpoint(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler, job,
+                    world_size: int = 1, scaler=None) -> None:
+    """Everything a resume needs (the list of ORT's TrainingRunner): the weight-update count, the
+    forward/backward passes done and where they leave the data (round = epoch, index within it),
+    weights, optimizer, schedule and loss-scaler state, and every RNG state."""
+    micro_steps = step * job.trainer.gradient_accumulation_steps
+    round_, index = job.data.epoch_of(micro_steps, job.trainer.batch_size, world_size)
+    np_state = np.random.get_state()
     torch.save({
-        "step": step,
+        "step": step,  # weight updates done (ORT: weight_update_step_count_)
+        "micro_steps": micro_steps,  # forward/backward passes done (ORT: step_), also the data position
+        "round": round_,  # passes over the training data (ORT: round_)
+        "data_index": index,  # next batch within this pass (ORT: training_data_set_index_)
+        "world_size": world_size,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler else None,
-        "rng": torch.get_rng_state(),
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
     }, path)
+
+
+def load_state(source: Path | bytes) -> dict:
+    """A checkpoint written by `save_checkpoint`, from a file or its bytes (weights only: no code
+    runs on load)."""
+    f = io.BytesIO(source) if isinstance(source, bytes) else source
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def restore_training_state(state: dict, optimizer, scheduler, scaler=None) -> int:
+    """Put optimizer, schedule, loss scaler and RNG back as they were; returns the step to go on from."""
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state((rng["numpy"][0], rng["numpy"][1].numpy().astype(np.uint32), *rng["numpy"][2:]))
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"]
 
 
 def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
@@ -87,6 +125,7 @@ def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
 @dataclass
 class TorchBackend(Backend):
     name: str = "torch"
+    resumable = True
     intra_op_threads: int = 0  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
 
     def check(self, job) -> None:
@@ -104,6 +143,9 @@ class TorchBackend(Backend):
         if self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
         device = job.trainer.device.value
+        state = load_state(job.resume_from) if job.resume_from else None
+        if state is not None:
+            job.model.load_state_dict(state["model"])  # before wrapping: ORTModule exports these weights
         plain = job.model.to(device)  # keep the unwrapped module: checkpoints and export use it
         model = self.wrap(plain, job)
         optimizer = self.make_optimizer(model, job)
@@ -112,9 +154,10 @@ class TorchBackend(Backend):
         # fp16 (CUDA only): autocast the forward, scale the loss so small gradients survive.
         fp16 = job.trainer.precision == Precision.fp16
         scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        done = restore_training_state(state, optimizer, scheduler, scaler) if state is not None else 0
         model.train()
 
-        for step in job.steps():
+        for step in job.steps(start=done + 1):
             x, y = job.train_batch(step)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device_type=device, dtype=torch.float16, enabled=fp16):
@@ -128,7 +171,8 @@ class TorchBackend(Backend):
 
             job.record(step, loss.item())
             job.evaluate(step, lambda: evaluate(model, job))
-            job.checkpoint(step, lambda path: save_checkpoint(path, step, plain, optimizer, scheduler), suffix=".pt")
+            job.checkpoint(step, lambda path: save_checkpoint(path, step, plain, optimizer, scheduler, job,
+                                                              scaler=scaler), suffix=".pt")
 
         job.save_model(lambda path: export_onnx(plain, job.data.sample_input().to(device), path))
 

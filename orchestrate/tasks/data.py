@@ -40,15 +40,20 @@ class TensorData:
         """A small input batch, for exporting a model to ONNX."""
         return self.x_train[:batch_size]
 
-    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
-        global_batch = batch_size * world_size
-        per_epoch = self.num_train // global_batch
+    def epoch_of(self, position: int, batch_size: int, world_size: int = 1) -> tuple[int, int]:
+        """(epoch, batch index within it) of global batch number `position`: ORT's round_ and
+        training_data_set_index_, stored in checkpoints."""
+        per_epoch = self.num_train // (batch_size * world_size)
         if per_epoch == 0:
             raise ValueError(
                 f"trainer.batch_size={batch_size} x {world_size} worker(s) is larger than the "
                 f"training set ({self.num_train} samples)"
             )
-        epoch, index = divmod(position, per_epoch)
+        return divmod(position, per_epoch)
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        global_batch = batch_size * world_size
+        epoch, index = self.epoch_of(position, batch_size, world_size)
         if epoch != self._perm_epoch:
             rng = np.random.default_rng([seed, epoch])
             self._perm, self._perm_epoch = rng.permutation(self.num_train), epoch
