@@ -1,6 +1,14 @@
-"""Models for tests that need a trial to fail on purpose (importable as `tests.helpers` by Ray
-workers when PYTHONPATH holds the repository)."""
+"""Test helpers: a model that fails on purpose (importable as `tests.helpers` by Ray workers when
+PYTHONPATH holds the repository), and a real multi-node Ray cluster on 127.0.0.1."""
 
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,3 +30,60 @@ class FailingMLP(MLP):
         if self.calls >= self.fail_at_call and (not self.marker or Path(self.marker).exists()):
             raise RuntimeError(f"deliberate failure at call {self.calls}")
         return super().forward(x)
+
+
+# ---- a real multi-node Ray cluster on this machine ---------------------------------------------
+# `ray start` swaps 127.0.0.1 for the machine's network address, and refuses to add a node when
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the setting that keeps a head on loopback). The extra
+# nodes are therefore started through Ray's own CLI with that one swap turned off.
+RAY_CLI_ON_LOOPBACK = (
+    "import sys; from ray._private import services; services.resolve_ip_for_localhost = lambda host: host; "
+    "from ray.scripts.scripts import main; sys.argv = ['ray', *sys.argv[1:]]; main()"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive_nodes(address: str, env: dict) -> list[str]:
+    """Node ids of the cluster's live nodes, asked through Ray's public API in a fresh process."""
+    code = ("import json, ray; ray.init(address=%r, configure_logging=False); "
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % address)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else []
+
+
+@contextlib.contextmanager
+def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1):
+    """A head and `nodes - 1` more nodes, each its own `ray start --block` process, all bound to
+    127.0.0.1 and guarded by a fresh auth token. Yields (address, env for clients)."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--num-gpus=0"]
+    ray_cli = [sys.executable, "-c", RAY_CLI_ON_LOOPBACK]
+    procs = [subprocess.Popen([*ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        node_env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not alive_nodes(address, env):
+            time.sleep(1)
+        for _ in range(nodes - 1):
+            procs.append(subprocess.Popen([*ray_cli, "start", f"--address={address}", *common], env=node_env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        while time.monotonic() < deadline and len(alive_nodes(address, env)) < nodes:
+            time.sleep(1)
+        yield address, env
+    finally:
+        for proc in reversed(procs):  # `ray start --block` stops its node's processes on SIGTERM
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -81,3 +81,42 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
     losses = [v for _, v in result.history["train/loss"]]
     assert losses[-1] < losses[0]
     assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("runner", marks=pytest.mark.slow)])
+def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capsys):
+    """A run dies at step ~27 (checkpoints at 10 and 20); the same command with trainer.resume=auto
+    goes on from step 20 in the same MLflow run: every step once, and the weights of a run that
+    never stopped."""
+    marker = tmp_path / "fail_while_this_exists"
+    marker.touch()
+    overrides = [f"backend={backend}", "trainer.max_steps=40", "trainer.checkpoint_period=10", "trainer.display_loss_steps=1",
+                 "trainer.evaluation_period=0", "model._target_=tests.helpers.FailingMLP", "+model.fail_at_call=28",
+                 f"+model.marker={marker}"]
+    if backend == "runner":
+        overrides += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=2", "trainer.batch_size=16"]
+    with pytest.raises(Exception):
+        app.train(make_cfg(*overrides), tmp_path / "first")
+    marker.unlink()
+    resumed = app.train(make_cfg(*overrides, "trainer.resume=auto"), tmp_path / "second")
+    assert f"resuming MLflow run {resumed.run_id} after step 20" in capsys.readouterr().out
+    reference = app.train(make_cfg(*overrides, "tracking.experiment=reference"), tmp_path / "reference")
+
+    client = client_for(make_cfg().tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.run_id == resumed.run_id and run.info.status == "FINISHED"
+    steps = metric_steps(client, resumed.run_id, "train/loss")
+    assert [s for s, _ in steps] == list(range(1, 41))
+    reference_steps = metric_steps(client, reference.run_id, "train/loss")
+    assert [v for _, v in steps] == pytest.approx([v for _, v in reference_steps], abs=1e-6)
+    last = torch.load(tmp_path / "second" / "checkpoints" / "step_0000040.pt", weights_only=True)
+    expected = torch.load(tmp_path / "reference" / "checkpoints" / "step_0000040.pt", weights_only=True)
+    assert last["step"] == 40 and last["round"] >= 0 and "rng" in last
+    for k in expected["model"]:
+        torch.testing.assert_close(last["model"][k], expected["model"][k], atol=1e-6, rtol=0)
+
+
+def test_resume_of_a_finished_config_starts_a_new_run(make_cfg, tmp_path):
+    first = app.train(make_cfg("backend=torch"), tmp_path / "first")
+    again = app.train(make_cfg("backend=torch", "trainer.resume=auto"), tmp_path / "again")
+    assert again.run_id != first.run_id

@@ -53,6 +53,7 @@ BAD_INPUT = [
     (["model.hidden_size=3"], "model.hidden_size: unknown key; allowed keys in model: _target_, in_features"),
     (["model._target_=orchestrate.tasks.models.Nope"], "model._target_"),
     (["trainer.batch_size=5000"], "trainer.batch_size=5000 x 1 worker(s) is larger than the training set"),
+    (["trainer.resume=0123abc"], "trainer.resume=0123abc: no MLflow store at sqlite:///mlflow.db, so no such run"),
 ]
 
 

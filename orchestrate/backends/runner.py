@@ -99,7 +99,7 @@ class RunnerBackend(Backend):
         if t.precision == Precision.fp16 and self.engine == "ondevice":
             raise ConfigError("trainer.precision=fp16 needs backend.engine=ortmodule or torch (a GPU loss scaler)")
         wanted = t.num_workers * self.cpus_per_worker
-        if self.ray_address is None and wanted > (os.cpu_count() or 1):
+        if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > (os.cpu_count() or 1):
             raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; this machine has {os.cpu_count()}")
 
@@ -114,13 +114,21 @@ class RunnerBackend(Backend):
         before the MLflow run opens)."""
         # Ray Train's report() otherwise waits up to its 2 s poll of the workers' results.
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-        if self.ray_address is None:
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
+        address = self.ray_address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
+        if address is None or address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost"):
+            # Ray swaps 127.0.0.1 for the machine's address unless this is set: with it, a local Ray
+            # (or a cluster on loopback) keeps every connection on 127.0.0.1.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+            try:
+                ray.init(address=self.ray_address, include_dashboard=False, configure_logging=False,
+                         log_to_driver=True)
+            except ConnectionError as e:
+                raise ConfigError(f"backend.ray_address={self.ray_address}: {str(e).splitlines()[0]}; allowed: "
+                                  "null (a local Ray), auto, or the address of a running cluster") from None
         n = job.trainer.num_workers
         bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
         asked = f"{n} worker(s) x {bundle} ({self.placement_strategy})"
@@ -188,8 +196,9 @@ def worker_loop(config: dict) -> None:
     from orchestrate.job import Job
     from orchestrate.tracking import RunLogger, logged_history
 
-    # Not a console line per report.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    from ray.train.v2._internal.execution import context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
@@ -246,10 +255,11 @@ def resume_state(config: dict) -> dict | None:
 
 
 def tag_workers(job, rank: int, world: int, context) -> None:
-    """Tag the MLflow run with where each rank runs (`worker.<rank>`: host, node IP, pid)."""
+    """Tag the MLflow run with where each rank runs (`worker.<rank>`: host, IP, Ray node id, pid)."""
     import ray
 
-    me = f"{platform.node()} {ray.util.get_node_ip_address()} pid {os.getpid()}"
+    node = ray.get_runtime_context().get_node_id()
+    me = f"{platform.node()} {ray.util.get_node_ip_address()} node {node[:12]} pid {os.getpid()}"
     everyone = [None] * world
     dist.all_gather_object(everyone, me)
     if rank == 0 and job.tracker:

@@ -1,13 +1,27 @@
 """The runner's correctness, as seed 003 states it: N workers with batch B equal one worker with
-batch N*B, and K accumulated micro-batches equal one batch K times larger, update for update.
-Tolerances: 1e-5 absolute on the final weights (plain PyTorch engine); the sums are only reordered."""
+batch N*B, and K accumulated micro-batches equal one batch K times larger, update for update;
+all ranks hold the same parameters; a killed worker costs nothing but time; a two-node cluster
+on loopback trains with one worker per node.
+Tolerances on the final weights: 1e-5 absolute for the plain PyTorch and the on-device engines
+(the sums are only reordered), 1e-4 for ORTModule (ORT's kernels sum differently)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from orchestrate import app, schema
 from orchestrate.__main__ import main
 from orchestrate.backends.runner import RunnerBackend
+from tests.conftest import ROOT, client_for, metric_steps
+from tests.helpers import alive_nodes, loopback_cluster
 
 pytestmark = pytest.mark.slow
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
@@ -15,10 +29,13 @@ COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=q
           "model.hidden=[32]"]
 
 
-def final_weights(tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
+def train(tmp_path, name: str, *overrides: str):
     cfg = app.load_config([*COMMON, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
-    result = app.train(cfg, tmp_path / name)
-    (path,) = (result.out_dir / "checkpoints").glob("step_*.pt")
+    return app.train(cfg, tmp_path / name)
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    path = sorted((result.out_dir / "checkpoints").glob("step_*"))[-1]
     return {k: torch.from_numpy(v) for k, v in RunnerBackend().read_checkpoint(path).items()}
 
 
@@ -28,25 +45,124 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
-def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b(tmp_path):
-    two = final_weights(tmp_path, "two", "trainer.num_workers=2", "trainer.batch_size=32")
-    one = final_weights(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(two, one, atol=1e-5)
+def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical(tmp_path):
+    two = train(tmp_path, "two", "trainer.num_workers=2", "trainer.batch_size=32", "trainer.display_loss_steps=1")
+    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
+    assert_same(final_weights(two), final_weights(one), atol=1e-5)
+    # After every update both ranks held the same parameters (all-reduced max - min of every one).
+    divergence = metric_steps(client_for(f"sqlite:///{tmp_path}/mlflow.db"), two.run_id, "train/replica_divergence")
+    assert [s for s, _ in divergence] == list(range(1, 13))
+    assert all(v == 0.0 for _, v in divergence)
 
 
 def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path):
-    acc = final_weights(tmp_path, "acc", "trainer.gradient_accumulation_steps=4", "trainer.batch_size=16")
-    big = final_weights(tmp_path, "big", "trainer.batch_size=64")
-    assert_same(acc, big, atol=1e-5)
+    acc = train(tmp_path, "acc", "trainer.gradient_accumulation_steps=4", "trainer.batch_size=16")
+    big = train(tmp_path, "big", "trainer.batch_size=64")
+    assert_same(final_weights(acc), final_weights(big), atol=1e-5)
 
 
 def test_the_weights_moved(tmp_path):
-    """Guards the two tests above against comparing two untrained models."""
-    trained = final_weights(tmp_path, "one", "trainer.batch_size=64")
+    """Guards the equivalence tests against comparing two untrained models."""
+    trained = final_weights(train(tmp_path, "one", "trainer.batch_size=64"))
     cfg = app.load_config([*COMMON])
     torch.manual_seed(cfg.trainer.seed)
     initial = schema.build(cfg.model, "model").state_dict()
     assert not torch.allclose(trained["net.0.weight"], initial["net.0.weight"])
+
+
+def test_ortmodule_engine_two_workers_equal_one(tmp_path):
+    """DDP(ORTModule(model)): the same equivalence, within 1e-4."""
+    two = train(tmp_path, "two", "backend.engine=ortmodule", "trainer.num_workers=2", "trainer.batch_size=32")
+    one = train(tmp_path, "one", "backend.engine=torch", "trainer.num_workers=1", "trainer.batch_size=64")
+    assert_same(final_weights(two), final_weights(one), atol=1e-4)
+
+
+def test_ondevice_engine_all_reduces_gradients(tmp_path):
+    """ORT's gradient buffers, all-reduced in place: 2 workers x B (with 2 micro-batches each)
+    equal the PyTorch engine on one worker with 4B."""
+    two = train(tmp_path, "two", "backend.engine=ondevice", "trainer.num_workers=2", "trainer.batch_size=16",
+                "trainer.gradient_accumulation_steps=2")
+    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
+    assert_same(final_weights(two), final_weights(one), atol=1e-5)
+
+
+def test_ondevice_engine_federated_averaging(tmp_path):
+    """Averaging the parameters after every SGD update is the same as all-reducing the gradients;
+    averaging every 4th update lets the ranks drift apart in between, and the divergence metric
+    shows it."""
+    every_step = train(tmp_path, "avg1", "backend.engine=ondevice", "backend.average_every=1",
+                       "trainer.num_workers=2", "trainer.batch_size=32")
+    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
+    assert_same(final_weights(every_step), final_weights(one), atol=1e-5)
+
+    every_4th = train(tmp_path, "avg4", "backend.engine=ondevice", "backend.average_every=4",
+                      "trainer.num_workers=2", "trainer.batch_size=32", "trainer.display_loss_steps=1")
+    divergence = dict(metric_steps(client_for(f"sqlite:///{tmp_path}/mlflow.db"), every_4th.run_id,
+                                   "train/replica_divergence"))
+    assert [divergence[s] for s in (4, 8, 12)] == [0.0, 0.0, 0.0]
+    assert all(divergence[s] > 1e-4 for s in (1, 2, 3, 5, 6, 7, 9, 10, 11))
+
+
+def test_a_killed_worker_restarts_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
+    """SIGKILL to rank 1 mid-run: Ray Train restarts both workers from the latest checkpoint, the
+    run finishes, MLflow holds every step once, and the weights equal an uninterrupted run's."""
+    overrides = ["model=char_transformer", "data=python_source", "model.n_layer=1", "model.n_embd=64",
+                 "trainer.batch_size=8", "trainer.num_workers=2", "trainer.max_steps=100", "trainer.checkpoint_period=20",
+                 "trainer.display_loss_steps=1", "optimizer=adamw", "optimizer.lr=0.003"]
+    client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = {}
+
+    def kill_rank_1_after_step_45():
+        deadline = time.monotonic() + 240
+        while not killed and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if not (tmp_path / "mlflow.db").exists():
+                continue
+            for run in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+                steps = [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")]
+                if steps and steps[-1] >= 45 and "worker.1" in run.data.tags:
+                    pid = int(run.data.tags["worker.1"].split()[-1])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.update(pid=pid, step=steps[-1])
+
+    # The killer runs beside; the training stays on the main thread (a local Ray started from a
+    # thread goes down when that thread ends).
+    threading.Thread(target=kill_rank_1_after_step_45, daemon=True).start()
+    result = train(tmp_path, "killed", *overrides)
+    assert killed, "the worker was never killed"
+    reference = train(tmp_path, "reference", *overrides, "tracking.experiment=reference")
+
+    assert killed["step"] < 100
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert str(killed["pid"]) not in run.data.tags["worker.1"]  # the workers were restarted
+    steps = metric_steps(client, result.run_id, "train/loss")
+    assert [s for s, _ in steps] == list(range(1, 101))  # each step logged once, none missing
+    assert_same(final_weights(result), final_weights(reference), atol=1e-6)
+    assert result.metrics["train_loss"] == pytest.approx(reference.metrics["train_loss"], abs=1e-6)
+
+
+def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_path):
+    """A cluster whose CPUs are taken: after placement_timeout_s the run stops with a plain message."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+
+    @ray.remote(num_cpus=1)
+    class Busy:
+        def ping(self):
+            return True
+
+    busy = Busy.remote()
+    ray.get(busy.ping.remote())
+    try:
+        with pytest.raises(schema.ConfigError, match=r"could not be placed within backend.placement_timeout_s=2; "
+                                                     r"free now: \{'CPU': 1\.0\}"):
+            train(tmp_path, "x", "trainer.num_workers=2", "backend.placement_timeout_s=2")
+    finally:
+        ray.kill(busy)
+    client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []  # no run opened
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -54,7 +170,13 @@ def test_the_weights_moved(tmp_path):
     (["backend=runner", "trainer.num_workers=0"], "trainer.num_workers=0: must be at least 1"),
     (["backend=runner", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be at least 1"),
     (["backend=torch", "trainer.num_workers=2"], "need backend=runner"),
-    (["backend=runner", "backend.engine=jax"], "backend.engine='jax': allowed: ortmodule, torch"),
+    (["backend=runner", "backend.engine=jax"], "backend.engine='jax': allowed: ortmodule, torch, ondevice"),
+    (["backend=runner", "backend.average_every=5"], "backend.average_every needs backend.engine=ondevice"),
+    (["backend=runner", "backend.placement_strategy=RANDOM"], "allowed: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
+    (["backend=runner", "backend.max_failures=-1"], "backend.max_failures=-1: must be 0 or more"),
+    (["backend=runner", "backend.use_gpu=true"], "backend.use_gpu=true and trainer.device=cpu disagree"),
+    (["backend=runner", "backend.engine=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers"),
+    (["backend=ondevice", "trainer.resume=auto"], "backend=ondevice cannot load its checkpoints"),
 ])
 def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -63,10 +185,26 @@ def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
         main()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_ortmodule_engine_two_workers_equal_one(tmp_path):
-    """DDP(ORTModule(model)): the same equivalence, within 1e-4 (ORT's kernels sum differently)."""
-    two = final_weights(tmp_path, "two", "backend.engine=ortmodule", "trainer.num_workers=2", "trainer.batch_size=32")
-    one = final_weights(tmp_path, "one", "backend.engine=torch", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(two, one, atol=1e-4)
+@pytest.mark.cluster
+def test_a_two_node_cluster_on_loopback_runs_one_worker_per_node(tmp_path):
+    """A real cluster: a head and a second node (`ray start`, 1 CPU each, 127.0.0.1 only); the
+    command line is pointed at it and both nodes host a worker."""
+    with loopback_cluster(nodes=2, cpus_per_node=1) as (address, env):
+        nodes = alive_nodes(address, env)
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrate", "backend=runner", "backend.engine=torch", f"backend.ray_address={address}",
+             "backend.placement_strategy=STRICT_SPREAD", "trainer.num_workers=2", "data=synthetic", "trainer=quick",
+             "trainer.max_steps=40", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"],
+            cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert len(nodes) == 2
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.status == "FINISHED"
+    used = {run.data.tags[f"worker.{r}"].split()[3] for r in (0, 1)}  # "host ip node <id> pid <pid>"
+    assert len(used) == 2 and all(any(n.startswith(u) for n in nodes) for u in used)
+    losses = [v for _, v in metric_steps(client, run.info.run_id, "train/loss")]
+    assert losses[-1] < losses[0]
