@@ -25,12 +25,12 @@ from tests.helpers import alive_nodes, loopback_cluster
 
 pytestmark = pytest.mark.slow
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
-          "trainer.evaluation_period=0", "trainer.checkpoint_period=0", "optimizer=sgd", "optimizer.lr=0.1",
-          "model.hidden=[32]"]
+          "trainer.evaluation_period=0", "trainer.checkpoint_period=0", "optimizer=sgd", "optimizer.lr=0.1"]
 
 
 def train(tmp_path, name: str, *overrides: str):
-    cfg = app.load_config([*COMMON, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
+    small_mlp = [] if any(o.startswith("model=") for o in overrides) else ["model.hidden=[32]"]
+    cfg = app.load_config([*COMMON, *small_mlp, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
     return app.train(cfg, tmp_path / name)
 
 
@@ -64,7 +64,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path):
 def test_the_weights_moved(tmp_path):
     """Guards the equivalence tests against comparing two untrained models."""
     trained = final_weights(train(tmp_path, "one", "trainer.batch_size=64"))
-    cfg = app.load_config([*COMMON])
+    cfg = app.load_config([*COMMON, "model.hidden=[32]"])
     torch.manual_seed(cfg.trainer.seed)
     initial = schema.build(cfg.model, "model").state_dict()
     assert not torch.allclose(trained["net.0.weight"], initial["net.0.weight"])
