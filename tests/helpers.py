@@ -5,9 +5,11 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +66,11 @@ def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1):
     address = f"127.0.0.1:{port}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--num-gpus=0"]
+    # Its own temp folder (short: Ray's socket paths are length-limited), so that the address file
+    # `ray start` leaves behind does not lead a later plain `ray.init()` to this cluster.
+    temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--num-gpus=0",
+              f"--temp-dir={temp_dir}"]
     ray_cli = [sys.executable, "-c", RAY_CLI_ON_LOOPBACK]
     procs = [subprocess.Popen([*ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -87,3 +93,4 @@ def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)

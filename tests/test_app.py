@@ -120,3 +120,17 @@ def test_resume_of_a_finished_config_starts_a_new_run(make_cfg, tmp_path):
     first = app.train(make_cfg("backend=torch"), tmp_path / "first")
     again = app.train(make_cfg("backend=torch", "trainer.resume=auto"), tmp_path / "again")
     assert again.run_id != first.run_id
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(make_cfg, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = app.train(make_cfg("backend=torch", "trainer.tensorboard=true"), tmp_path / "out")
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    in_mlflow = metric_steps(client_for(make_cfg().tracking.uri), result.run_id, "train/loss")
+    assert [s for s, _ in logged] == [s for s, _ in in_mlflow] == [5, 10, 15, 20, 25, 30]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in in_mlflow], rel=1e-6)
+    artifacts = client_for(make_cfg().tracking.uri).list_artifacts(result.run_id, "tensorboard")
+    assert len(artifacts) == 1 and "tfevents" in artifacts[0].path

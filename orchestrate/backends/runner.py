@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from orchestrate import ray_cluster
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import (LOSSES, evaluate, export_onnx, load_state, make_scheduler, read_checkpoint,
                                         restore_training_state, save_checkpoint)
@@ -114,21 +115,10 @@ class RunnerBackend(Backend):
         before the MLflow run opens)."""
         # Ray Train's report() otherwise waits up to its 2 s poll of the workers' results.
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-        address = self.ray_address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
-        if address is None or address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost"):
-            # Ray swaps 127.0.0.1 for the machine's address unless this is set: with it, a local Ray
-            # (or a cluster on loopback) keeps every connection on 127.0.0.1.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray_cluster.init(self.ray_address, "backend.ray_address")
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        if not ray.is_initialized():
-            try:
-                ray.init(address=self.ray_address, include_dashboard=False, configure_logging=False,
-                         log_to_driver=True)
-            except ConnectionError as e:
-                raise ConfigError(f"backend.ray_address={self.ray_address}: {str(e).splitlines()[0]}; allowed: "
-                                  "null (a local Ray), auto, or the address of a running cluster") from None
         n = job.trainer.num_workers
         bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
         asked = f"{n} worker(s) x {bundle} ({self.placement_strategy})"

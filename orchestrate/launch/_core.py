@@ -15,7 +15,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from omegaconf import OmegaConf, open_dict
 
-from orchestrate import schema
+from orchestrate import ray_cluster, schema
 from orchestrate.tracking import ui_command
 from orchestrate.launch.sweep_runs import (TRIAL_ENV, TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
                                            trial_name)
@@ -82,11 +82,8 @@ class Sweep:
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
     cfg, conf = launcher.config, launcher.conf
-    if conf.address is None:
-        # A local Ray replaces 127.0.0.1 (even `_node_ip_address="127.0.0.1"`) with the machine's
-        # network address unless it believes multi-node clusters are off: with this, every port it
-        # opens is bound to 127.0.0.1. Read when ray is imported.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if conf.address is None and "RAY_ADDRESS" not in os.environ:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see orchestrate.ray_cluster
     import ray
 
     setup_globals()
@@ -125,8 +122,7 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     # 2. Start (or join) Ray, then submit every trial that has not finished before.
     if not ray.is_initialized():
         began = time.perf_counter()
-        ray.init(address=conf.address, num_cpus=conf.num_cpus if conf.address is None else None,
-                 include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
         log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
     remote = ray.remote(_run_trial).options(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial,
                                             max_retries=0)

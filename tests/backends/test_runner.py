@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from orchestrate import app, schema
+from orchestrate import app, ray_cluster, schema
 from orchestrate.__main__ import main
 from orchestrate.backends.runner import RunnerBackend
 from tests.conftest import ROOT, client_for, metric_steps
@@ -144,9 +144,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint_and_matches_an_uninterrupt
 
 def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_path):
     """A cluster whose CPUs are taken: after placement_timeout_s the run stops with a plain message."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray_cluster.init(None, "test", num_cpus=2)  # a local Ray with 2 CPUs (or the one already started)
 
     @ray.remote(num_cpus=1)
     class Busy:
