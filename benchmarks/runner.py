@@ -2,7 +2,7 @@
 same data-parallel loop written by hand (torch.multiprocessing + gloo + DDP: no Ray, no MLflow,
 no bookkeeping), and the cost of `ray.train.report`.
 
-    python benchmarks/runner.py                      # MLP 64-512-512-10 on digits, batch 128 per worker, AdamW
+    python benchmarks/runner.py                      # MLP 64-512-512-10 on digits, batch 512 per worker, AdamW
     python benchmarks/runner.py --steps 600 --engines torch ortmodule
     python benchmarks/runner.py --report-cost        # ray.train.report: direct vs the runner's Reporter
 
@@ -19,24 +19,21 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = ["model.hidden=[512,512]", "trainer.batch_size=128"]
-
-
-def runner(engine: str, workers: int, steps: int, tmp: str) -> dict:
+def runner(engine: str, workers: int, steps: int, batch: int, tmp: str) -> dict:
     from orchestrate import app
 
     cfg = app.load_config(["backend=runner", f"backend.engine={engine}", f"trainer.num_workers={workers}",
                            f"trainer.max_steps={steps}", "trainer.progress=false", "trainer.evaluation_period=0",
                            "trainer.checkpoint_period=0", "trainer.display_loss_steps=50",
                            f"tracking.uri=sqlite:///{tmp}/bench.db", "tracking.experiment=runner-benchmark",
-                           "tracking.log_checkpoints=false", *MODEL])
+                           "tracking.log_checkpoints=false", "model.hidden=[512,512]", f"trainer.batch_size={batch}"])
     began = time.perf_counter()
     metrics = app.train(cfg, Path(tmp) / f"{engine}-{workers}-{time.time_ns()}").metrics
     return {"samples_per_sec": metrics["samples_per_sec"], "wall_s": time.perf_counter() - began,
             "train_loss": metrics["train_loss"]}
 
 
-def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, out) -> None:
+def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, batch: int, out) -> None:
     """The loop as one would write it by hand: same model, same batches, same optimizer."""
     import torch
     import torch.distributed as dist
@@ -60,7 +57,7 @@ def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, out)
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     loss_fn = torch.nn.functional.cross_entropy
-    batch, warm = 128, 50
+    warm = 50
     for step in range(1, steps + 1):
         if step == warm + 1:
             began = time.perf_counter()
@@ -77,7 +74,7 @@ def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, out)
     dist.destroy_process_group()
 
 
-def by_hand(engine: str, workers: int, steps: int) -> dict:
+def by_hand(engine: str, workers: int, steps: int, batch: int) -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -88,7 +85,7 @@ def by_hand(engine: str, workers: int, steps: int) -> dict:
     began = time.perf_counter()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_hand_worker, args=(r, workers, port, engine, steps, out)) for r in range(workers)]
+    procs = [ctx.Process(target=_hand_worker, args=(r, workers, port, engine, steps, batch, out)) for r in range(workers)]
     for p in procs:
         p.start()
     sps = out.get(timeout=600)
@@ -145,6 +142,7 @@ def report_cost(reports: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=512, help="per worker")
     parser.add_argument("--engines", nargs="+", default=["torch", "ortmodule", "ondevice"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--report-cost", action="store_true", help="measure ray.train.report instead")
@@ -158,11 +156,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for engine in args.engines:
             for workers in args.workers:
-                ran = runner(engine, workers, args.steps, tmp)
-                hand = by_hand(engine, workers, args.steps) if engine != "ondevice" else None
+                ran = runner(engine, workers, args.steps, args.batch, tmp)
+                hand = by_hand(engine, workers, args.steps, args.batch) if engine != "ondevice" else None
                 rows.append((engine, workers, ran, hand))
 
-    print(f"\nrunner vs the same loop by hand: MLP 64-512-512-10, digits, batch 128 per worker, AdamW, "
+    print(f"\nrunner vs the same loop by hand: MLP 64-512-512-10, digits, batch {args.batch} per worker, AdamW, "
           f"{args.steps} steps, 1 CPU thread per worker")
     print(f"{'engine':<10} {'workers':>7} {'samples/s':>10} {'by hand':>10} {'ratio':>6} {'wall s':>7} {'hand wall s':>11}")
     for engine, workers, ran, hand in rows:
