@@ -11,6 +11,7 @@ the gradient graph and an optimizer graph; then the loop `module.train()`, `modu
 
 import fnmatch
 import io
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,8 +159,6 @@ class OnDeviceBackend(Backend):
         optimizer step or averages the parameters after it; rank 0 alone evaluates and saves."""
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
-
-        import tempfile
 
         # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
         folder = job.out_dir / "artifacts" if rank == 0 else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{rank}_"))
