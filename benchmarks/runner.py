@@ -48,12 +48,12 @@ def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, batc
     torch.manual_seed(0)
     model = MLP(64, 10, hidden=[512, 512])
     if engine == "ortmodule":
-        from orchestrate.backends.ortmodule import ORTModuleBackend
-        from orchestrate.job import Job
+        from types import SimpleNamespace
 
-        stub = Job.__new__(Job)
-        stub.out_dir = Path(tempfile.mkdtemp())
-        model = ORTModuleBackend(intra_op_threads=1).wrap(model, stub)
+        from orchestrate.backends.ortmodule import ORTModuleBackend
+
+        # wrap() reads only the job's output folder (for ORTModule's debug graphs).
+        model = ORTModuleBackend(intra_op_threads=1).wrap(model, SimpleNamespace(out_dir=Path(tempfile.mkdtemp())))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     loss_fn = torch.nn.functional.cross_entropy

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from orchestrate import plots, schema
 from orchestrate.job import Job
-from orchestrate.tracking import Tracker, find_resume, logged_history, ui_command
+from orchestrate.tracking import Tracker, find_resume, ui_command
 
 
 # conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
@@ -68,14 +68,12 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                  resume_run_id=resume.run_id if resume else None) as tracker:
         job.tracker = tracker
         if resume is not None:
-            job.continue_history(logged_history(cfg.tracking.uri, resume.run_id))
+            job.continue_history(tracker.logged_history())
         job.backend.fit(job)
         metrics = job.summary()
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
         png = plots.loss_curves({job.backend.name: job.history}, job.out_dir / "loss_curves.png", title=choices)
         tracker.log_artifact(png)
-        if (job.out_dir / "tensorboard").is_dir():
-            tracker.mlflow.log_artifacts(str(job.out_dir / "tensorboard"), "tensorboard")
     result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.history)
     print_summary(cfg, job, result)
     return result

@@ -38,6 +38,7 @@ class Job:
     final: dict[str, float] = field(default_factory=dict)
     resume_from: Path | None = None  # trainer.resume: the checkpoint to continue from
     logged_through: dict[str, int] = field(default_factory=dict)  # resumed run: last step in MLflow, per metric
+    tensorboard: Any = None  # trainer.tensorboard: a SummaryWriter, opened at the first logged metric
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path) -> "Job":
@@ -170,19 +171,17 @@ class Job:
         return path
 
     def save_model(self, write: Callable[[Path], None]) -> Path:
-        """Save the trained model as ONNX for inference (`model.onnx`) and log it."""
-        if getattr(self, "_tb", None) is not None:
-            self._tb.close()  # the end of training: the event files are complete
+        """Save the trained model as ONNX for inference (`model.onnx`) and log it; the end of
+        training, so the TensorBoard event files are complete and logged too."""
         path = self.out_dir / "model.onnx"
         path.parent.mkdir(parents=True, exist_ok=True)
         write(path)
         if self.tracker is not None:
             self.tracker.log_artifact(path)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tracker.log_artifacts(self.out_dir / "tensorboard", "tensorboard")
         return path
-
-    def latest_checkpoint(self) -> Path | None:
-        found = sorted((self.out_dir / "checkpoints").glob("step_*"))
-        return found[-1] if found else None
 
     def summary(self) -> dict[str, float]:
         if getattr(self, "_timed_steps", 0):
@@ -209,9 +208,9 @@ class Job:
 
     def _tensorboard(self, metrics: dict[str, float], step: int) -> None:
         """trainer.tensorboard: the same scalars as TensorBoard events in <outputs>/tensorboard."""
-        if getattr(self, "_tb", None) is None:
+        if self.tensorboard is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            self.tensorboard = SummaryWriter(str(self.out_dir / "tensorboard"))
         for k, v in metrics.items():
-            self._tb.add_scalar(k, v, step)
+            self.tensorboard.add_scalar(k, v, step)

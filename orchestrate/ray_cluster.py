@@ -17,17 +17,17 @@ from orchestrate.schema import ConfigError
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
-def init(address: str | None, key: str, **local_options) -> None:
-    """Start or join Ray unless this process already has; `key` names the config key that gave
-    `address` (for the error when it cannot be reached). `local_options` (num_cpus, ...) apply to
-    a new local instance only."""
+def init(address: str | None, key: str, **local_options) -> bool:
+    """Start or join Ray unless this process already has (then return False); `key` names the
+    config key that gave `address` (for the error when it cannot be reached). `local_options`
+    (num_cpus, ...) apply to a new local instance only."""
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None or address.split("://")[-1].split(":")[0] in LOOPBACK:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
@@ -37,3 +37,4 @@ def init(address: str | None, key: str, **local_options) -> None:
     except ConnectionError as e:
         raise ConfigError(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                           "auto, or the address of a running cluster") from None
+    return True

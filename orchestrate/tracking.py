@@ -60,9 +60,55 @@ def versions() -> dict[str, str]:
     return found
 
 
-class Tracker:
-    """One MLflow run. Use as a context manager: an exception marks the run FAILED (with the
-    error text in the `error` tag), Ctrl-C marks it KILLED, a clean exit FINISHED."""
+# One async-logging thread per process: points reach the store in the order they were logged (a
+# crash leaves no gap before the last one), and many processes stay within the server's pool.
+ONE_LOGGING_THREAD = {"MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1"}
+
+
+class RunLogger:
+    """Logs into one MLflow run by its id: the run a Tracker opened, or (rank 0 of the runner's
+    workers) a run that another process opened."""
+
+    def __init__(self, uri: str, run_id: str):
+        from mlflow.tracking import MlflowClient
+
+        self.client, self.run_id = MlflowClient(tracking_uri=uri), run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        # Asynchronous: the training loop does not wait for the store (about 1 ms a call on SQLite).
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
+                              synchronous=False)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
+    def logged_history(self) -> dict[str, list[tuple[int, float]]]:
+        """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its
+        curves on and does not log a step twice."""
+        keys = self.client.get_run(self.run_id).data.metrics.keys()
+        return {k: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
+
+    def flush(self) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()
+
+
+class Tracker(RunLogger):
+    """Opens (or, resuming, reopens) the job's MLflow run and logs into it. Use as a context
+    manager: an exception marks the run FAILED (with the error text in the `error` tag), Ctrl-C
+    marks it KILLED, a clean exit FINISHED."""
 
     def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str], out_dir: Path,
                  resume_run_id: str | None = None):
@@ -73,17 +119,15 @@ class Tracker:
         mlflow.set_experiment(cfg.tracking.experiment)
         if resume_run_id:
             # The same run goes on: its params are this config already (config_key matched).
-            self.run = mlflow.start_run(run_id=resume_run_id)
+            run = mlflow.start_run(run_id=resume_run_id)
         else:
             # A sweep's trial runs in another process than its parent run: nest it by the parent tag.
             parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-            self.run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=parent)
-        self.run_id = self.run.info.run_id
-        self.log_checkpoints = cfg.tracking.log_checkpoints
-        all_tags = {"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
-                    "pid": str(os.getpid()), "config_key": config_key(cfg), "out_dir": str(Path(out_dir).resolve()),
-                    **{f"version.{k}": v for k, v in versions().items()}, **tags, **cfg.tracking.tags}
-        mlflow.set_tags(all_tags)
+            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=parent)
+        super().__init__(cfg.tracking.uri, run.info.run_id)
+        self.set_tags({"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
+                       "pid": str(os.getpid()), "config_key": config_key(cfg), "out_dir": str(Path(out_dir).resolve()),
+                       **{f"version.{k}": v for k, v in versions().items()}, **tags, **cfg.tracking.tags})
         if not resume_run_id:
             items = list(flatten(cfg).items())
             for i in range(0, len(items), 100):
@@ -92,21 +136,14 @@ class Tracker:
             (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
             (Path(tmp) / "requirements-freeze.txt").write_text(freeze)
-            mlflow.log_artifacts(tmp)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        # Asynchronous: the training loop does not wait for the store (about 1 ms a call on SQLite).
-        self.mlflow.log_metrics(metrics, step=step, synchronous=False)
-
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.mlflow.log_artifact(str(path), artifact_path)
+            self.log_artifacts(Path(tmp))
 
     def __enter__(self) -> "Tracker":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            self.mlflow.flush_async_logging()
+            self.flush()
         finally:
             if exc_type is None:
                 self.mlflow.end_run("FINISHED")
@@ -117,38 +154,6 @@ class Tracker:
                 self.mlflow.set_tag("error", f"{exc_type.__name__}: {exc}"[:5000])
                 self.mlflow.end_run("FAILED")
         return False
-
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        self.mlflow.set_tags(tags)
-
-
-class RunLogger:
-    """Logs into a run that another process opened (rank 0 of the runner's workers)."""
-
-    def __init__(self, uri: str, run_id: str):
-        from mlflow.tracking import MlflowClient
-
-        self.client, self.run_id = MlflowClient(tracking_uri=uri), run_id
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
-                              synchronous=False)
-
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def flush(self) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()
 
 
 def absolute_uri(uri: str) -> str:
@@ -260,13 +265,3 @@ def _latest_checkpoint(client, run, uri: str) -> ResumePoint | None:
     if logged:
         return ResumePoint(run.info.run_id, _step_of(logged[-1]), None, logged[-1], uri)
     return None
-
-
-def logged_history(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its curves on
-    and does not log a step twice."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    keys = client.get_run(run_id).data.metrics.keys()
-    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}

@@ -184,7 +184,7 @@ def worker_loop(config: dict) -> None:
 
     from orchestrate import schema
     from orchestrate.job import Job
-    from orchestrate.tracking import RunLogger, logged_history
+    from orchestrate.tracking import ONE_LOGGING_THREAD, RunLogger
 
     from ray.train.v2._internal.execution import context as train_context
 
@@ -193,7 +193,7 @@ def worker_loop(config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
     torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
-    os.environ["MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE"] = "1"  # points reach MLflow in order: a crash leaves no gap
+    os.environ.update(ONE_LOGGING_THREAD)
     if rank != 0:
         cfg.trainer.progress = False
     job = Job.prepare(cfg, Path(config["out_dir"]))  # same seed: same initial weights on every rank
@@ -203,7 +203,7 @@ def worker_loop(config: dict) -> None:
     if rank == 0 and config["run_id"]:
         job.tracker = RunLogger(config["uri"], config["run_id"])
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
-        job.continue_history(logged_history(config["uri"], config["run_id"]))
+        job.continue_history(job.tracker.logged_history())
     device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
     reporter = Reporter(device)
     tag_workers(job, rank, world, context)
@@ -345,19 +345,21 @@ class OnDeviceSync:
         self.K, self.every = job.trainer.gradient_accumulation_steps, job.backend.average_every
 
     def before_update(self, step: int, state) -> None:
+        display = self.job.due(step, self.job.trainer.display_loss_steps)
+        reduce = not self.every  # ModelUpdateStep's AllReduce; federated averaging has none here
+        if not (reduce or self.K > 1 or display):
+            return  # nothing to do to the gradients this step
         grads = [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if not self.every:
-            dist.all_reduce(flat)  # ModelUpdateStep's AllReduce
-            flat /= self.world * self.K  # ORT sums the K micro-batch gradients: make it the mean
-        elif self.K > 1:
-            flat /= self.K
-        if not self.every or self.K > 1:
+        if reduce:
+            dist.all_reduce(flat)
+        if reduce or self.K > 1:
+            flat /= (self.world if reduce else 1) * self.K  # ORT sums the K micro-batches: make it the mean
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if self.job.due(step, self.job.trainer.display_loss_steps):
+        if display:
             self.job.log({"train/grad_norm": flat.norm().item()}, step)
 
     def after_update(self, step: int, module) -> None:
@@ -432,9 +434,9 @@ class Reporter:
     def checkpoint(self, metrics: dict, path: Path | None) -> None:
         """At a checkpoint step, on every worker; `path` is rank 0's checkpoint file."""
         folder = None
-        if path is not None:
-            folder = tempfile.mkdtemp(prefix="orchestrate_report_")
-            shutil.copy2(path, Path(folder) / "checkpoint.pt")
+        if path is not None:  # a folder holding just this file, for Ray to copy to its storage
+            folder = tempfile.mkdtemp(prefix=".report_", dir=path.parent)
+            os.link(path, Path(folder) / "checkpoint.pt")  # same file system: no second copy
         self._put(metrics, folder)
 
     def close(self) -> None:

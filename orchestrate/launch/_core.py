@@ -16,8 +16,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup
 from omegaconf import OmegaConf, open_dict
 
 from orchestrate import ray_cluster, schema
-from orchestrate.tracking import ui_command
-from orchestrate.launch.sweep_runs import (TRIAL_ENV, TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
+from orchestrate.tracking import ONE_LOGGING_THREAD, ui_command
+from orchestrate.launch.sweep_runs import (TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
                                            trial_name)
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ OPEN_SWEEP = None  # the sweep this process is running, closed by close_open_swe
 def _run_trial(hydra_context, task_function, sweep_config, singleton_state) -> JobReturn:
     """Runs in a Ray worker: restore Hydra's global state, then run the job in its own folder."""
     started_at = time.time()
-    os.environ.update(TRIAL_ENV)
+    os.environ.update(ONE_LOGGING_THREAD)
     setup_globals()
     Singleton.set_state(singleton_state)
     HydraConfig.instance().set_config(sweep_config)
@@ -82,10 +82,6 @@ class Sweep:
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
     cfg, conf = launcher.config, launcher.conf
-    if conf.address is None and "RAY_ADDRESS" not in os.environ:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # see orchestrate.ray_cluster
-    import ray
-
     setup_globals()
     configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
     loader = launcher.hydra_context.config_loader
@@ -120,10 +116,10 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     done = sweep.parent.finished_trials() if conf.resume else {}
 
     # 2. Start (or join) Ray, then submit every trial that has not finished before.
-    if not ray.is_initialized():
-        began = time.perf_counter()
-        ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
-        log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
+    began = time.perf_counter()
+    if ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus):
+        log.info(f"Ray ready in {time.perf_counter() - began:.1f} s")
+    import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
     remote = ray.remote(_run_trial).options(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial,
                                             max_retries=0)
     singleton_state = Singleton.get_state()

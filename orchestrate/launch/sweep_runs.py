@@ -19,7 +19,6 @@ from mlflow.tracking import MlflowClient
 from orchestrate import plots
 
 SWEEP_KEY = "orchestrate.sweep_key"
-TRIAL_ENV = {"MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1"}  # set in each trial's process
 TRIAL_KEY = "orchestrate.trial"
 
 
@@ -48,7 +47,7 @@ class TrackingServer:
         # MLflow's default pool (5 + 10 overflow) and 8 trials each sending from 10 async-logging
         # threads, every connection ended up held by a waiting request: the server deadlocked
         # ("QueuePool limit ... reached"). A larger pool here, and one logging thread per trial
-        # (TRIAL_ENV), keep requests in flight below the pool's size. No job-runner workers:
+        # (tracking.ONE_LOGGING_THREAD), keep requests in flight below the pool's size. No job-runner workers:
         # 0.55 GiB instead of 2.6 GiB.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
                "MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "40"}
