@@ -94,9 +94,9 @@ def by_hand(engine: str, workers: int, steps: int, batch: int) -> dict:
     return {"samples_per_sec": sps, "wall_s": time.perf_counter() - began}
 
 
-def report_cost(reports: int) -> None:
+def report_cost(reports: int, gaps: list[float]) -> None:
     """ray.train.report called directly in the loop, against the runner's Reporter, for display
-    windows of 5 ms and 50 ms of work."""
+    windows of `gaps` seconds of work."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -111,7 +111,7 @@ def report_cost(reports: int) -> None:
 
         reporter = Reporter(torch.device("cpu"))
         rows = []
-        for gap in (0.005, 0.05):
+        for gap in config["gaps"]:
             for how in ("direct", "reporter"):
                 costs = []
                 for i in range(config["reports"]):
@@ -135,7 +135,7 @@ def report_cost(reports: int) -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     with tempfile.TemporaryDirectory() as tmp:
-        TorchTrainer(loop, train_loop_config={"reports": reports}, scaling_config=ScalingConfig(num_workers=2),
+        TorchTrainer(loop, train_loop_config={"reports": reports, "gaps": gaps}, scaling_config=ScalingConfig(num_workers=2),
                      run_config=RunConfig(storage_path=tmp)).fit()
 
 
@@ -147,9 +147,11 @@ def main() -> None:
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--report-cost", action="store_true", help="measure ray.train.report instead")
     parser.add_argument("--reports", type=int, default=40)
+    parser.add_argument("--gaps", nargs="+", type=float, default=[0.005, 0.05, 0.2],
+                        help="seconds of work between two reports (--report-cost)")
     args = parser.parse_args()
     if args.report_cost:
-        report_cost(args.reports)
+        report_cost(args.reports, args.gaps)
         return
 
     rows = []
