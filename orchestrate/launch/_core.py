@@ -117,9 +117,11 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
 
     # 2. Start (or join) Ray, then submit every trial that has not finished before.
     began = time.perf_counter()
-    if ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus):
-        log.info(f"Ray ready in {time.perf_counter() - began:.1f} s")
+    started = ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
     import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
+
+    if started:
+        log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
     remote = ray.remote(_run_trial).options(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial,
                                             max_retries=0)
     singleton_state = Singleton.get_state()
