@@ -391,7 +391,7 @@ class Reporter:
     costs about 5 ms (every worker meets at a barrier), and a report made before Ray's controller
     took the previous one waits for its next poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by
     default, 0.1 s as set here): 103 ms a call with 5 ms of work between reports. So the loop
-    hands reports to a thread (1.8 ms a call there, median). At display steps a report
+    hands reports to a thread (1-3 ms a call there, median). At display steps a report
     goes out only when every worker's thread is idle: one MIN all-reduce decides, so that all
     workers skip the same reports (Ray needs every worker to make the same calls). Checkpoint
     reports are never skipped."""
