@@ -14,8 +14,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from orchestrate import app, schema
-from orchestrate.job import Job
-from orchestrate.tracking import find_resume
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -76,9 +74,7 @@ def validate(overrides: list[str]) -> None:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
-            cfg = app.load_config(overrides)
-            Job.prepare(cfg, out_dir="unused")  # builds data, model and backend; writes nothing
-            find_resume(cfg)  # trainer.resume names a run that exists, with a checkpoint; reads only
+            app.check(app.load_config(overrides))
     except schema.ConfigError as e:
         fail(str(e))
     except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:

@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from orchestrate import plots, schema
 from orchestrate.job import Job
-from orchestrate.tracking import Tracker, find_resume, ui_command
+from orchestrate.resume import config_key, find_resume
+from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, ui_command
 
 
 # conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
@@ -50,12 +51,19 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
+def check(cfg: DictConfig) -> None:
+    """Refuse bad input before anything is written or run: build the job once (data, model,
+    backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError."""
+    Job.prepare(cfg, out_dir="unused")
+    find_resume(cfg)
+
+
 def train(cfg: DictConfig, out_dir: Path) -> Result:
     """Train once as `cfg` says; the MLflow run holds everything the run produced."""
     job = Job.prepare(cfg, out_dir)  # ConfigError here: nothing has been written anywhere yet
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
-            "data": cfg.data._target_}
+            "data": cfg.data._target_, "config_key": config_key(cfg)}
     job.backend.connect(job)  # e.g. a Ray cluster with room for the workers; ConfigError if not
     resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
     if resume is not None:
@@ -88,8 +96,9 @@ def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
         if key in m:
             lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
     lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}')",
-              f"  outputs            {result.out_dir}",
-              f"  open the UI with   {ui_command(cfg.tracking.uri)}"]
+              f"  outputs            {result.out_dir}"]
+    if handed_over_run() is None:  # a sweep's trial: the sweep's summary says where to look
+        lines.append(f"  open the UI with   {ui_command(cfg.tracking.uri)}")
     print("\n".join(lines), flush=True)
 
 
@@ -97,6 +106,11 @@ def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
     hydra_cfg = HydraConfig.get()
+    earlier = finished_run_metrics()
+    if earlier is not None:  # a resumed sweep hands a finished trial its old run: nothing to train
+        print(f"trial {hydra_cfg.job.num} ({','.join(hydra_cfg.overrides.task)}) finished in an earlier attempt: "
+              "skipped", flush=True)
+        return earlier.get(f"final/{cfg.sweep.metric}")
     try:
         result = train(cfg, Path(hydra_cfg.runtime.output_dir))
     except schema.ConfigError as e:

@@ -67,7 +67,6 @@ class TrackingConf:
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact
     tags: dict[str, str] = field(default_factory=dict)
-    parent_run_id: Optional[str] = None  # set by the sweep launcher: the trial nests under this run
 
 
 @dataclass

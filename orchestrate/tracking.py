@@ -6,7 +6,6 @@ and once at the end: final/train_loss, final/eval_loss, final/eval_accuracy,
 final/samples_per_sec, final/step_time_ms, final/wall_time_s.
 """
 
-import hashlib
 import importlib.metadata
 import os
 import platform
@@ -14,13 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from orchestrate.schema import ConfigError
 
 
 VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
@@ -108,25 +104,31 @@ class RunLogger:
 class Tracker(RunLogger):
     """Opens (or, resuming, reopens) the job's MLflow run and logs into it. Use as a context
     manager: an exception marks the run FAILED (with the error text in the `error` tag), Ctrl-C
-    marks it KILLED, a clean exit FINISHED."""
+    marks it KILLED, a clean exit FINISHED.
+
+    A run handed over by the environment (`MLFLOW_RUN_ID` and `MLFLOW_TRACKING_URI`, MLflow's own
+    variables, set for each trial by the sweep callbacks in `orchestrate.sweeps`) is logged into
+    instead of a new one: that is how a trial becomes a nested child of its sweep's parent run."""
 
     def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str], out_dir: Path,
                  resume_run_id: str | None = None):
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(cfg.tracking.uri)
-        mlflow.set_experiment(cfg.tracking.experiment)
+        given = handed_over_run()
+        uri = given[0] if given else cfg.tracking.uri
+        mlflow.set_tracking_uri(uri)
         if resume_run_id:
             # The same run goes on: its params are this config already (config_key matched).
             run = mlflow.start_run(run_id=resume_run_id)
+        elif given:
+            run = mlflow.start_run(run_id=given[1])
         else:
-            # A sweep's trial runs in another process than its parent run: nest it by the parent tag.
-            parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=parent)
-        super().__init__(cfg.tracking.uri, run.info.run_id)
+            mlflow.set_experiment(cfg.tracking.experiment)
+            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name)
+        super().__init__(uri, run.info.run_id)
         self.set_tags({"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
-                       "pid": str(os.getpid()), "config_key": config_key(cfg), "out_dir": str(Path(out_dir).resolve()),
+                       "pid": str(os.getpid()), "out_dir": str(Path(out_dir).resolve()),
                        **{f"version.{k}": v for k, v in versions().items()}, **tags, **cfg.tracking.tags})
         if not resume_run_id:
             items = list(flatten(cfg).items())
@@ -170,98 +172,19 @@ def ui_command(uri: str) -> str:
     return f"mlflow ui --backend-store-uri {store} --host 127.0.0.1 --port 5000"
 
 
-# ---- resume ----------------------------------------------------------------------------------
-# Keys that may differ between a run and its continuation; every other key must be the same.
-RESUME_FREE = ("trainer.resume", "trainer.progress")
+def handed_over_run() -> tuple[str, str] | None:
+    """(tracking URI, run id) when the environment hands this process a run to log into."""
+    run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
+    return (uri, run_id) if run_id and uri else None
 
 
-def config_key(cfg: DictConfig) -> str:
-    """A hash of the config that decides the training (tracking settings left out): a run is
-    only continued by the same config."""
-    items = sorted((k, v) for k, v in flatten(cfg).items()
-                   if not k.startswith("tracking.") and k not in RESUME_FREE)
-    return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
-
-
-@dataclass
-class ResumePoint:
-    """Where a run stopped: its latest finished checkpoint, on disk or as an MLflow artifact."""
-
-    run_id: str
-    step: int
-    local: Path | None  # the checkpoint file in the run's output folder, when it is still there
-    artifact: str | None  # else its artifact path in the run
-    uri: str
-
-    def fetch(self, folder: Path) -> Path:
-        """Copy the checkpoint into `folder` (the new output folder's checkpoints): the next
-        resume finds it there even if this attempt stops before its own first checkpoint."""
-        import shutil
-
-        folder.mkdir(parents=True, exist_ok=True)
-        if self.local is not None:
-            return Path(shutil.copy2(self.local, folder / self.local.name))
-        from mlflow.tracking import MlflowClient
-
-        got = MlflowClient(tracking_uri=self.uri).download_artifacts(self.run_id, self.artifact, str(folder))
-        return Path(got)
-
-
-def _step_of(name: str) -> int:
-    return int(Path(name).name.split("_")[1].split(".")[0])
-
-
-def find_resume(cfg: DictConfig) -> ResumePoint | None:
-    """Resolve `trainer.resume` (auto or a run id) to a checkpoint; bad input is a ConfigError.
-    Reads the store only: nothing is written, so it can run before the command starts."""
-    want = cfg.trainer.resume
-    if not want:
+def finished_run_metrics() -> dict[str, float] | None:
+    """The metrics of the handed-over run if it has already FINISHED (a sweep being resumed hands
+    a trial that finished in an earlier attempt its old run: there is nothing to train), else None."""
+    given = handed_over_run()
+    if given is None:
         return None
-    uri = cfg.tracking.uri
-    store = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-    if store is not None and not os.path.exists(store):  # do not create an empty store by asking
-        if want == "auto":
-            return None
-        raise ConfigError(f"trainer.resume={want}: no MLflow store at {uri}, so no such run")
-    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client, key = MlflowClient(tracking_uri=uri), config_key(cfg)
-    if want == "auto":
-        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-        if experiment is None:
-            return None
-        runs = client.search_runs([experiment.experiment_id], f"tags.config_key = '{key}'",
-                                  order_by=["attributes.start_time DESC"], max_results=50)
-        runs = [r for r in runs if r.info.status != "FINISHED"]
-        for run in runs:
-            point = _latest_checkpoint(client, run, uri)
-            if point is not None:
-                return point
-        return None
-    try:
-        run = client.get_run(want)
-    except MlflowException:
-        raise ConfigError(f"trainer.resume={want}: no such run in {uri}; allowed: auto or a run id") from None
-    if run.data.tags.get("config_key") != key:
-        now = flatten(cfg)
-        differ = [k for k, v in run.data.params.items()
-                  if not k.startswith("tracking.") and k not in RESUME_FREE and now.get(k) != v]
-        raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
-                          f"{', '.join(differ[:5]) or 'its keys'}); resume it with the same overrides")
-    point = _latest_checkpoint(client, run, uri)
-    if point is None:
-        raise ConfigError(f"trainer.resume={want}: that run has no checkpoint to resume from "
-                          "(set trainer.checkpoint_period to checkpoint during a run)")
-    return point
-
-
-def _latest_checkpoint(client, run, uri: str) -> ResumePoint | None:
-    folder = Path(run.data.tags.get("out_dir", "/nonexistent")) / "checkpoints"
-    local = sorted(folder.glob("step_*")) if folder.is_dir() else []
-    if local:
-        return ResumePoint(run.info.run_id, _step_of(local[-1].name), local[-1], None, uri)
-    logged = sorted((a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")), key=_step_of)
-    if logged:
-        return ResumePoint(run.info.run_id, _step_of(logged[-1]), None, logged[-1], uri)
-    return None
+    run = MlflowClient(tracking_uri=given[0]).get_run(given[1])
+    return dict(run.data.metrics) if run.info.status == "FINISHED" else None

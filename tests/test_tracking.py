@@ -4,7 +4,7 @@ import pytest
 
 from orchestrate import app
 from orchestrate.schema import ConfigError
-from orchestrate.tracking import config_key, find_resume
+from orchestrate.resume import config_key, find_resume
 
 
 def test_the_config_key_ignores_tracking_and_resume_settings_only(make_cfg):

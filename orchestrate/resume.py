@@ -1,0 +1,107 @@
+"""Resuming a stopped run (`trainer.resume`): find the MLflow run with the same config and its
+latest finished checkpoint, on disk or as an artifact. Reads the store only, so the entry point can
+check `trainer.resume` before anything is written."""
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from orchestrate.schema import ConfigError
+from orchestrate.tracking import flatten
+
+# Keys that may differ between a run and its continuation; every other key must be the same.
+RESUME_FREE = ("trainer.resume", "trainer.progress")
+
+
+def config_key(cfg: DictConfig) -> str:
+    """A hash of the config that decides the training (tracking settings left out): a run is
+    only continued by the same config."""
+    items = sorted((k, v) for k, v in flatten(cfg).items()
+                   if not k.startswith("tracking.") and k not in RESUME_FREE)
+    return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+@dataclass
+class ResumePoint:
+    """Where a run stopped: its latest finished checkpoint, on disk or as an MLflow artifact."""
+
+    run_id: str
+    step: int
+    local: Path | None  # the checkpoint file in the run's output folder, when it is still there
+    artifact: str | None  # else its artifact path in the run
+    uri: str
+
+    def fetch(self, folder: Path) -> Path:
+        """Copy the checkpoint into `folder` (the new output folder's checkpoints): the next
+        resume finds it there even if this attempt stops before its own first checkpoint."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.local is not None:
+            return Path(shutil.copy2(self.local, folder / self.local.name))
+        from mlflow.tracking import MlflowClient
+
+        got = MlflowClient(tracking_uri=self.uri).download_artifacts(self.run_id, self.artifact, str(folder))
+        return Path(got)
+
+
+def _step_of(name: str) -> int:
+    return int(Path(name).name.split("_")[1].split(".")[0])
+
+
+def find_resume(cfg: DictConfig) -> ResumePoint | None:
+    """Resolve `trainer.resume` (auto or a run id) to a checkpoint; bad input is a ConfigError.
+    Reads the store only: nothing is written, so it can run before the command starts."""
+    want = cfg.trainer.resume
+    if not want:
+        return None
+    uri = cfg.tracking.uri
+    store = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    if store is not None and not os.path.exists(store):  # do not create an empty store by asking
+        if want == "auto":
+            return None
+        raise ConfigError(f"trainer.resume={want}: no MLflow store at {uri}, so no such run")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client, key = MlflowClient(tracking_uri=uri), config_key(cfg)
+    if want == "auto":
+        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        if experiment is None:
+            return None
+        runs = client.search_runs([experiment.experiment_id], f"tags.config_key = '{key}'",
+                                  order_by=["attributes.start_time DESC"], max_results=50)
+        runs = [r for r in runs if r.info.status != "FINISHED"]
+        for run in runs:
+            point = _latest_checkpoint(client, run, uri)
+            if point is not None:
+                return point
+        return None
+    try:
+        run = client.get_run(want)
+    except MlflowException:
+        raise ConfigError(f"trainer.resume={want}: no such run in {uri}; allowed: auto or a run id") from None
+    if run.data.tags.get("config_key") != key:
+        now = flatten(cfg)
+        differ = [k for k, v in run.data.params.items()
+                  if not k.startswith("tracking.") and k not in RESUME_FREE and now.get(k) != v]
+        raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
+                          f"{', '.join(differ[:5]) or 'its keys'}); resume it with the same overrides")
+    point = _latest_checkpoint(client, run, uri)
+    if point is None:
+        raise ConfigError(f"trainer.resume={want}: that run has no checkpoint to resume from "
+                          "(set trainer.checkpoint_period to checkpoint during a run)")
+    return point
+
+
+def _latest_checkpoint(client, run, uri: str) -> ResumePoint | None:
+    folder = Path(run.data.tags.get("out_dir", "/nonexistent")) / "checkpoints"
+    local = sorted(folder.glob("step_*")) if folder.is_dir() else []
+    if local:
+        return ResumePoint(run.info.run_id, _step_of(local[-1].name), local[-1], None, uri)
+    logged = sorted((a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")), key=_step_of)
+    if logged:
+        return ResumePoint(run.info.run_id, _step_of(logged[-1]), None, logged[-1], uri)
+    return None
