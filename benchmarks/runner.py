@@ -50,10 +50,12 @@ def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, batc
     if engine == "ortmodule":
         from types import SimpleNamespace
 
-        from orchestrate.backends.ortmodule import ORTModuleBackend
+        from orchestrate import app, schema
 
-        # wrap() reads only the job's output folder (for ORTModule's debug graphs).
-        model = ORTModuleBackend(intra_op_threads=1).wrap(model, SimpleNamespace(out_dir=Path(tempfile.mkdtemp())))
+        # The backend as conf/backend/ortmodule.yaml builds it, with one thread; wrap() reads only
+        # the job's output folder (for ORTModule's debug graphs).
+        backend = schema.build(app.load_config(["backend=ortmodule", "backend.intra_op_threads=1"]).backend, "backend")
+        model = backend.wrap(model, SimpleNamespace(out_dir=Path(tempfile.mkdtemp())))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     loss_fn = torch.nn.functional.cross_entropy
@@ -107,9 +109,11 @@ def report_cost(reports: int, gaps: list[float]) -> None:
         import ray.train
         import torch
 
-        from orchestrate.backends.runner import Reporter
+        from orchestrate.backends.runner.report import Reporter
+        from orchestrate.backends.runner.sync import Workers
 
-        reporter = Reporter(torch.device("cpu"))
+        context = ray.train.get_context()
+        reporter = Reporter(Workers(context.get_world_rank(), context.get_world_size(), torch.device("cpu")))
         rows = []
         for gap in config["gaps"]:
             for how in ("direct", "reporter"):
@@ -122,7 +126,7 @@ def report_cost(reports: int, gaps: list[float]) -> None:
                     if how == "direct":
                         ray.train.report({"i": i})
                     else:
-                        reporter.metrics({"i": i})
+                        reporter.metrics(i, {"train/loss": 0.0})
                     costs.append(time.perf_counter() - t)
                 rows.append((gap, how, statistics.median(costs) * 1e3, max(costs) * 1e3))
         reporter.close()

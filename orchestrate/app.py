@@ -5,17 +5,20 @@
     python -m orchestrate model=char_transformer data=python_source
 """
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrate import plots, schema
+from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
 from orchestrate.resume import config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, ui_command
@@ -35,10 +38,26 @@ class Result:
     history: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], as logged
 
 
-def load_config(overrides: list[str] = ()) -> DictConfig:
-    """Compose `conf/config.yaml` with command-line style overrides, outside a Hydra app."""
+@contextlib.contextmanager
+def _hydra() -> Iterator[None]:
+    """Hydra's config loader: the running app's (its search path), or conf/ outside an app."""
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        yield
+
+
+def load_config(overrides: list[str] = ()) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line style overrides."""
+    with _hydra():
         return compose(config_name="config", overrides=list(overrides))
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group, e.g. the backends."""
+    with _hydra():
+        return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
 def device_name(cfg: DictConfig) -> str:
@@ -59,30 +78,34 @@ def check(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, out_dir: Path) -> Result:
-    """Train once as `cfg` says; the MLflow run holds everything the run produced."""
+    """Train once as `cfg` says; the MLflow run holds everything the run produced. The process
+    is left as it was found (thread counts, environment: orchestrate.process)."""
     job = Job.prepare(cfg, out_dir)  # ConfigError here: nothing has been written anywhere yet
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
             "data": cfg.data._target_, "config_key": config_key(cfg)}
-    job.backend.connect(job)  # e.g. a Ray cluster with room for the workers; ConfigError if not
-    resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
-    if resume is not None:
-        job.resume_from = resume.fetch(job.out_dir / "checkpoints")
-        print(f"resuming MLflow run {resume.run_id} after step {resume.step} ({job.resume_from})", flush=True)
-    elif cfg.trainer.resume == "auto":
-        print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
-              flush=True)
-    with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
-                 resume_run_id=resume.run_id if resume else None) as tracker:
-        job.tracker = tracker
+    # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not
+    with process.kept(), job.backend.connect(job):
+        resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
         if resume is not None:
-            job.continue_history(tracker.logged_history())
-        job.backend.fit(job)
-        metrics = job.summary()
-        tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
-        png = plots.loss_curves({job.backend.name: job.history}, job.out_dir / "loss_curves.png", title=choices)
-        tracker.log_artifact(png)
-    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.history)
+            job.resume_state = checkpoints.load_torch(resume.fetch(job.out_dir / "checkpoints"))
+            print(f"resuming MLflow run {resume.run_id} after step {resume.step}", flush=True)
+        elif cfg.trainer.resume == "auto":
+            print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
+                  flush=True)
+        with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
+                     resume_run_id=resume.run_id if resume else None) as tracker:
+            job.track(tracker)
+            if resume is not None:
+                job.meter.continue_history(tracker.logged_history())
+            job.backend.fit(job)
+            job.meter.close()
+            metrics = job.meter.summary()
+            tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
+            png = plots.loss_curves({job.backend.name: job.meter.history}, job.out_dir / "loss_curves.png",
+                                    title=choices)
+            tracker.log_artifact(png)
+    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
     print_summary(cfg, job, result)
     return result
 

@@ -4,6 +4,7 @@ data, optimizer) are checked against their target's signature when they are buil
 
 import enum
 import inspect
+import math
 from pathlib import Path
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
@@ -44,7 +45,7 @@ class TrainerConf:
     seed: int = 0  # same seed -> same initial weights and batch order on every backend
     display_loss_steps: int = 25  # log train loss and throughput every N steps
     evaluation_period: int = 100  # evaluate every N steps (and after the last); 0: only at the end
-    checkpoint_period: int = 0  # checkpoint every N steps; 0: only after the last step
+    checkpoint_period: int = 150  # checkpoint every N steps; 0: only after the last step
     max_num_checkpoints: int = 2  # checkpoints kept on disk (MLflow keeps every logged one)
     lr_schedule: LRSchedule = LRSchedule.constant
     warmup_steps: int = 0
@@ -58,6 +59,21 @@ class TrainerConf:
     # each step logged once.
     resume: Optional[str] = None
     tensorboard: bool = False  # also write TensorBoard event files to <outputs>/tensorboard
+
+    def due(self, step: int, period: int) -> bool:
+        """Periodic work happens every `period` steps and always after the last one."""
+        return step == self.max_steps or (period > 0 and step % period == 0)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base learning rate for update number `step` (0-based)."""
+        if self.lr_schedule == LRSchedule.constant:
+            return 1.0
+        if step < self.warmup_steps:
+            return step / max(1, self.warmup_steps)
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        if self.lr_schedule == LRSchedule.linear:
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass

@@ -68,7 +68,7 @@ class RunLogger:
     def __init__(self, uri: str, run_id: str):
         from mlflow.tracking import MlflowClient
 
-        self.client, self.run_id = MlflowClient(tracking_uri=uri), run_id
+        self.client, self.uri, self.run_id = MlflowClient(tracking_uri=uri), uri, run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # Asynchronous: the training loop does not wait for the store (about 1 ms a call on SQLite).
@@ -96,9 +96,10 @@ class RunLogger:
         return {k: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
 
     def flush(self) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()
+        """Wait until every metric logged so far is in the store. This client's own store: the
+        fluent `mlflow.flush_async_logging()` flushes the store of the process-wide tracking URI,
+        which in a runner worker (or any process that logs by run id) is another store."""
+        self.client._tracking_client.store.flush_async_logging()
 
 
 class Tracker(RunLogger):

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +32,30 @@ class FailingMLP(MLP):
         self.calls += 1
         if self.calls >= self.fail_at_call and (not self.marker or Path(self.marker).exists()):
             raise RuntimeError(f"deliberate failure at call {self.calls}")
+        return super().forward(x)
+
+
+class KillingMLP(MLP):
+    """An MLP that kills its own process with SIGKILL at forward call `kill_at_call` on rank
+    `rank` of the runner's workers, once: the marker file is removed first (and its pid written to
+    `<marker>.killed`), so the restarted workers train on. Unlike a killer watching from outside, it dies at the same step however
+    fast the machine is."""
+
+    def __init__(self, in_features: int, out_features: int, hidden=(32,), kill_at_call: int = 10**9,
+                 rank: int = 1, marker: str = ""):
+        super().__init__(in_features, out_features, hidden)
+        self.kill_at_call, self.rank, self.marker, self.calls = kill_at_call, rank, marker, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.training:
+            self.calls += 1
+        if (self.calls == self.kill_at_call and dist.is_initialized() and dist.get_rank() == self.rank
+                and self.marker and Path(self.marker).exists()):
+            Path(self.marker).unlink()
+            Path(f"{self.marker}.killed").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)
 
 

@@ -1,19 +1,28 @@
-"""The interface every backend implements. Small on purpose: the shared bookkeeping (batches,
-schedule, metrics, checkpoints files) lives in `orchestrate.job.Job`, which `fit` receives."""
+"""The interface every backend implements, and the data-parallel context its loop runs in.
 
+Small on purpose: what loops share lives beside them (`orchestrate.job.Job`: settings and built
+objects; `orchestrate.meter.Meter`: steps and metrics; `orchestrate.checkpoints`). A new backend
+is one file in this folder plus one file in conf/backend/ whose `_target_` names its class.
+"""
+
+import contextlib
+from collections.abc import Iterable
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 class Backend(ABC):
     """A way to train: the config's `backend` group builds one (its keys are the fields of the
-    dataclass that subclasses this)."""
+    dataclass that subclasses this; their values are set in the backend's yaml file)."""
 
     name: str  # the conf/backend file's name; tags the MLflow run and prefixes the progress bar
-    distributed = False  # True: the backend runs trainer.num_workers workers with gradient accumulation
-    resumable = False  # True: `fit` continues from `job.resume_from` (trainer.resume)
+    distributed = False  # True: runs trainer.num_workers workers itself (the runner)
+    resumable = False  # True: `fit` continues from `job.resume_state` (trainer.resume)
+    data_parallel = False  # True: `fit` runs on the runner's workers (as a `backend.engine`)
+    averaging = False  # True: can average parameters every N updates (the runner's `average_every`)
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
@@ -28,17 +37,45 @@ class Backend(ABC):
                               f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
                               "in one process with one batch per step")
 
-    def connect(self, job) -> None:
-        """Reach what the run needs outside this process (the runner: a Ray cluster that can place
-        its workers), raising ConfigError if it cannot be had. Called before the MLflow run opens."""
+    def connect(self, job) -> contextlib.AbstractContextManager:
+        """Hold what the run needs outside this process for as long as the run lasts (the runner:
+        a Ray cluster that can place its workers), raising ConfigError if it cannot be had.
+        Entered before the MLflow run opens."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def fit(self, job) -> None:
-        """Train `job.model` on `job.data` for `job.trainer.max_steps` steps, calling
-        `job.record` every step, `job.evaluate` and `job.checkpoint` at their periods, and
-        `job.save_model` once at the end. A resumable backend starts after the step stored in
-        `job.resume_from` when that is set, with the state it holds."""
+        """Train `job.model` on `job.data` for `job.trainer.max_steps` steps, reporting every
+        step to `job.meter` (record, evaluate) and `job.checkpoints` (save), and exporting the
+        model with `job.export_model` at the end (on the logging rank). A resumable backend
+        starts after the step stored in `job.resume_state` when that is set."""
 
     @abstractmethod
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         """The model parameters stored in one of this backend's checkpoints, by name."""
+
+
+class Parallel:
+    """One process and no other workers: the context a loop runs in unless the runner's workers
+    replace it (`orchestrate.backends.runner.sync.Workers`, which all-reduces across ranks).
+    Loops call these hooks unconditionally; alone, each one does nothing."""
+
+    rank = 0
+    world_size = 1
+    logging = True  # this process logs, evaluates and checkpoints (rank 0)
+    average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the loop trains it (DDP across workers)."""
+        return model
+
+    def accumulating(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward: no gradient AllReduce until the `last`."""
+        return contextlib.nullcontext()
+
+    def all_reduce_(self, flat: torch.Tensor) -> None:
+        """Sum `flat` across workers, in place."""
+
+    def replica_metrics(self, params: Iterable[torch.Tensor]) -> dict[str, float]:
+        """At display steps: how far apart the workers' parameters are (nothing to compare alone)."""
+        return {}

@@ -1,4 +1,4 @@
-"""ORT's on-device training API (seed 000): artifacts, then Module / Optimizer / CheckpointState.
+"""ORT's on-device training API: artifacts, then Module / Optimizer / CheckpointState.
 
     python -m orchestrate backend=ondevice
     python -m orchestrate backend=ondevice 'backend.frozen_params=[net.0.*]'   # fine-tune the rest
@@ -12,42 +12,18 @@ the gradient graph and an optimizer graph; then the loop `module.train()`, `modu
 import fnmatch
 import io
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from orchestrate import losses, ort
 from orchestrate.backends.base import Backend
 from orchestrate.schema import ConfigError, Device, LRSchedule, Precision
 
-# data.loss -> onnxblock loss (ORT's LossType names)
-LOSSES = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "bce_with_logits": "BCEWithLogitsLoss", "l1": "L1Loss"}
 OPTIMIZERS = ("AdamW", "SGD")  # what ORT's optimizer blocks offer
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
-
-
-def stable_bce_with_logits():
-    """BCE with logits as max(x, 0) - x*y + log(1 + exp(-|x|)), written with onnxblock's blocks
-    as (x + |x|)/2 - x*y - log(sigmoid(|x|)). ORT's own BCEWithLogitsLoss block computes
-    log(sigmoid(x)) and log(1 - sigmoid(x)), which turn into NaN once a logit passes about 17."""
-    from onnxruntime.training.onnxblock import Block, blocks
-
-    class StableBCEWithLogits(Block):
-        def build(self, x: str, target: str = "target") -> str:
-            y = blocks.InputLike(x)(target)  # a new graph input shaped like the logits
-            abs_x = blocks.Abs()(x)
-            relu_x = blocks.Mul()(blocks.Add()(x, abs_x), blocks.Constant(0.5)())
-            softplus = blocks.Neg()(blocks.Log()(blocks.Sigmoid()(abs_x)))
-            return blocks.ReduceMean(keepdims=False)(blocks.Add()(blocks.Sub()(relu_x, blocks.Mul()(x, y)), softplus))
-
-    return StableBCEWithLogits()
-
-
-def _providers() -> list[str]:
-    import onnxruntime
-
-    return onnxruntime.get_available_providers()
 
 
 class _FlatLogits(torch.nn.Module):
@@ -65,22 +41,24 @@ class _FlatLogits(torch.nn.Module):
 
 @dataclass
 class OnDeviceBackend(Backend):
-    name: str = "ondevice"
-    opset: int = 15  # opset 17 breaks ORT 1.19's LayerNormalization gradient; 14-16 work
+    name: str
+    opset: int  # opset 17 breaks ORT 1.19's LayerNormalization gradient; 14-16 work
     # ORT's default (a thread per core, spinning) ran the digits MLP at 29.5k samples/s on 2 cores,
-    # one intra-op thread at 113k: one thread is the default here.
-    intra_op_threads: int = 1
-    allow_spinning: bool = True
-    frozen_params: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names to freeze
+    # one intra-op thread at 113k: conf/backend/ondevice.yaml sets one thread.
+    intra_op_threads: int
+    allow_spinning: bool
+    frozen_params: list[str]  # fnmatch patterns of parameter names to freeze
     # ORT's AdamW block defaults to Hugging Face's AdamW (adam_mode=1: weight decay after the update,
     # epsilon before bias correction). `torch` sets adam_mode=0, PyTorch's AdamW, so that backends
     # compare like with like.
-    adamw_mode: str = "torch"
-    mapped_dimensions: dict[str, int] = field(default_factory=dict)  # e.g. {batch: 64}: fix a symbolic dimension
+    adamw_mode: str
+    mapped_dimensions: dict[str, int]  # e.g. {batch: 64}: fix a symbolic dimension
+    data_parallel = True
+    averaging = True
 
     def check(self, job) -> None:
-        if job.data.loss not in LOSSES:
-            raise ConfigError(f"data.loss={job.data.loss!r}: the on-device API offers {', '.join(LOSSES)}")
+        if job.data.loss not in losses.LOSSES:
+            raise ConfigError(f"data.loss={job.data.loss!r}: the on-device API offers {', '.join(losses.LOSSES)}")
         opt = job.cfg.optimizer
         kind = opt._target_.rsplit(".", 1)[-1]
         if kind not in OPTIMIZERS:
@@ -93,7 +71,7 @@ class OnDeviceBackend(Backend):
             raise ConfigError(f"backend.adamw_mode={self.adamw_mode!r}: allowed: {', '.join(ADAMW_MODES)}")
         if job.trainer.precision == Precision.fp16:
             raise ConfigError("trainer.precision=fp16 is not offered by backend=ondevice; allowed: fp32")
-        if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in _providers():
+        if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in ort.providers():
             raise ConfigError("trainer.device=cuda needs the GPU build (pip install onnxruntime-training==1.19.2)")
         names = [n for n, _ in job.model.named_parameters()]
         for pattern in self.frozen_params:
@@ -108,10 +86,10 @@ class OnDeviceBackend(Backend):
         import onnx
         from onnxruntime.training import artifacts, onnxblock
 
-        model, sample = job.model, job.data.sample_input()
+        model, sample, loss = job.model, job.data.sample_input(), losses.get(job.data.loss)
         prefix = ""
         with torch.no_grad():
-            if job.data.loss == "cross_entropy" and model(sample).dim() > 2:
+            if loss.flattens and model(sample).dim() > 2:
                 model, prefix = _FlatLogits(model), "model."
         buffer = io.BytesIO()
         model.train()
@@ -133,8 +111,7 @@ class OnDeviceBackend(Backend):
             onnx_model,
             requires_grad=[prefix + n for n in names if n not in frozen],
             frozen_params=[prefix + n for n in frozen],
-            loss=(stable_bce_with_logits() if job.data.loss == "bce_with_logits"
-                  else getattr(artifacts.LossType, LOSSES[job.data.loss])),
+            loss=loss.ort_block(),
             optimizer=optimizer,
             artifact_directory=folder,
             additional_output_names=["logits"],
@@ -153,27 +130,23 @@ class OnDeviceBackend(Backend):
                     attribute.i = ADAMW_MODES[self.adamw_mode]
         onnx.save(model, str(path))
 
-    def fit(self, job, rank: int = 0, world_size: int = 1, sync=None) -> None:
-        """The loop. The runner calls it on each of its workers with the worker's rank and a `sync`
-        (orchestrate.backends.runner.OnDeviceSync) that all-reduces gradients before each
-        optimizer step or averages the parameters after it; rank 0 alone evaluates and saves."""
-        import onnxruntime
+    def fit(self, job) -> None:
+        """The loop. On the runner's workers (`job.parallel`) gradients are all-reduced before each
+        optimizer step, or the parameters averaged every `average_every` updates after it
+        (`GradientSync`); rank 0 alone evaluates and saves."""
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
+        meter, parallel, t = job.meter, job.parallel, job.trainer
         # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
-        folder = job.out_dir / "artifacts" if rank == 0 else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{rank}_"))
+        folder = (job.out_dir / "artifacts" if parallel.logging
+                  else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{parallel.rank}_")))
         folder, self._prefix = self.generate_artifacts(job, folder)
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = self.intra_op_threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
-        for name, value in self.mapped_dimensions.items():  # symbolic dimensions fixed, as in ORT's API
-            options.add_free_dimension_override_by_name(name, value)
+        options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions)
         state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        device=job.trainer.device.value, session_options=options)
+                        device=t.device.value, session_options=options)
         optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
-        optimizer.set_learning_rate(job.lr * job.lr_factor(0))
-        t = job.trainer
+        optimizer.set_learning_rate(job.lr * t.lr_factor(0))
         # ORT ships a linear warm-up/decay scheduler; other schedules set the rate by hand each step.
         # onnxruntime-training 1.19.2's Python wrapper hands its two step counts to the C++ side in
         # the wrong order (measured: warmup 3 of 10 steps ran as warmup 10 of 3), so they are passed
@@ -182,52 +155,47 @@ class OnDeviceBackend(Backend):
                      if t.lr_schedule == LRSchedule.linear else None)
         flat = self._prefix == "model."  # labels flattened to match _FlatLogits
         K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
+        sync = GradientSync(job)
         module.train()
 
-        for step in job.steps():
+        for step in meter.steps():
             loss_sum = 0.0
             for micro in range(K):  # each train step adds its gradients to ORT's buffers
-                x, y = job.data.train_batch((step - 1) * K + micro, t.batch_size, t.seed, rank, world_size)
+                x, y = job.train_batch(step, micro)
                 loss, _ = module(x.numpy(), (y.reshape(-1) if flat else y).numpy())
                 loss_sum += float(loss)
-            if sync is not None:
-                sync.before_update(step, state)  # all-reduce the gradients (data-parallel runner)
+            sync.before_update(step, state)  # all-reduce the gradients across workers
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             elif t.lr_schedule != LRSchedule.constant:
-                optimizer.set_learning_rate(job.lr * job.lr_factor(step))
+                optimizer.set_learning_rate(job.lr * t.lr_factor(step))
             # Gradients are zeroed inside the next train step's graph, not by a separate pass.
             module.lazy_reset_grad()
-            if sync is not None:
-                sync.after_update(step, module)  # or average the parameters every N updates
+            sync.after_update(step, module)  # or average the parameters every N updates
 
-            job.record(step, loss_sum / K)
-            if rank == 0:
-                job.evaluate(step, lambda: self.evaluate(module, job, flat))
-                job.checkpoint(step, lambda path: CheckpointState.save_checkpoint(
-                    state, str(path), include_optimizer_state=True), suffix=".ckpt")
+            meter.record(step, loss_sum / K)
+            meter.evaluate(step, lambda: self.evaluate(module, job, flat))
+            job.checkpoints.save(step, lambda path: CheckpointState.save_checkpoint(
+                state, str(path), include_optimizer_state=True), suffix=".ckpt")
 
-        if rank == 0:
-            job.save_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
+        if parallel.logging:
+            job.export_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
 
     def evaluate(self, module, job, flat: bool) -> tuple[float, float | None]:
         """Forward only, through the eval graph that shares the training parameters."""
         module.eval()
+        loss = losses.get(job.data.loss)
         total, loss_sum, acc_sum = 0, 0.0, 0.0
         for x, y in job.data.eval_batches(job.trainer.eval_batch_size):
             y = y.reshape(-1) if flat else y
-            loss, logits = module(x.numpy(), y.numpy())
-            loss_sum += float(loss) * len(x)
-            acc = None
-            if job.data.loss == "cross_entropy":
-                acc = float((logits.argmax(-1) == y.numpy()).mean())
-            elif job.data.loss == "bce_with_logits":
-                acc = float(((logits > 0) == (y.numpy() > 0.5)).mean())
-            acc_sum += (acc or 0.0) * len(x)
+            value, logits = module(x.numpy(), y.numpy())
+            loss_sum += float(value) * len(x)
+            if loss.accuracy is not None:
+                acc_sum += loss.accuracy(torch.from_numpy(logits), y) * len(x)
             total += len(x)
         module.train()
-        return loss_sum / total, (acc_sum / total if acc is not None else None)
+        return loss_sum / total, (acc_sum / total if loss.accuracy is not None else None)
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         from onnxruntime.training.api import CheckpointState
@@ -235,3 +203,50 @@ class OnDeviceBackend(Backend):
         state = CheckpointState.load_checkpoint(str(path))
         prefix = getattr(self, "_prefix", "")
         return {name[len(prefix):] if name.startswith(prefix) else name: p.data for name, p in state.parameters}
+
+
+class GradientSync:
+    """The on-device engine's data parallelism across the runner's workers, around each optimizer
+    step. ORT's gradient buffers are read and written in place through
+    `state.parameters[name].grad` (a live view on the CPU: undocumented, and pinned by the
+    runner's equivalence test); parameters go through get_contiguous_parameters and
+    copy_buffer_to_parameters. In one process it only logs the norms at display steps."""
+
+    def __init__(self, job):
+        self.job, self.parallel, self.every = job, job.parallel, job.parallel.average_every
+        self.K, self.world = job.trainer.gradient_accumulation_steps, job.parallel.world_size
+
+    def before_update(self, step: int, state) -> None:
+        display = self.job.meter.displaying(step)
+        reduce = self.world > 1 and not self.every  # ModelUpdateStep's AllReduce; averaging has none
+        if not (reduce or self.K > 1 or display):
+            return  # nothing to do to the gradients this step
+        grads = [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if reduce:
+            self.parallel.all_reduce_(flat)
+        if reduce or self.K > 1:
+            flat /= (self.world if reduce else 1) * self.K  # ORT sums the K micro-batches: make it the mean
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if display:
+            self.job.meter.log({"train/grad_norm": flat.norm().item()}, step)
+
+    def after_update(self, step: int, module) -> None:
+        from onnxruntime import OrtValue
+
+        averaging = self.every and self.job.trainer.due(step, self.every)
+        display = self.job.meter.displaying(step)
+        if not (averaging or display):
+            return
+        params = torch.from_numpy(module.get_contiguous_parameters(trainable_only=True).numpy())
+        if averaging:  # federated averaging: every N updates all ranks take the mean model
+            self.parallel.all_reduce_(params)
+            params /= self.world
+            module.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(params.numpy())._ortvalue,
+                                             trainable_only=True)
+        if display:
+            self.job.meter.log({"train/param_norm": params.norm().item(),
+                                **self.parallel.replica_metrics([params])}, step)

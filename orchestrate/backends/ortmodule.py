@@ -15,10 +15,11 @@ import sys
 import time
 import types
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from orchestrate import ort
 from orchestrate.backends.torch import TorchBackend
 from orchestrate.schema import ConfigError
 
@@ -61,17 +62,14 @@ def ensure_extensions() -> None:
 
 @dataclass
 class ORTModuleBackend(TorchBackend):
-    name: str = "ortmodule"
     # ORT's own default sizes the session's thread pool to the physical cores and spins, which made
-    # ORTModule 3x slower than eager on a 2-core machine; one thread was measured fastest there.
-    intra_op_threads: int = 1
-    allow_spinning: bool = True
-    log_level: str = "WARNING"  # ORTModule's DebugOptions log level: one of LOG_LEVELS
-    save_onnx: bool = False  # save the exported, pre-grad and execution graphs into the run's folder
-    # ORTMODULE_* environment options (seed 001), for example ORTMODULE_MEMORY_OPT_LEVEL: 1
-    options: dict[str, str] = field(default_factory=dict)
-    fp16_optimizer: bool = False  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
-    mapped_dimensions: dict[str, int] = field(default_factory=dict)  # symbolic dimension -> size, for ORT's sessions
+    # ORTModule 3x slower than eager on a 2-core machine; conf/backend/ortmodule.yaml sets one thread.
+    allow_spinning: bool
+    log_level: str  # ORTModule's DebugOptions log level: one of LOG_LEVELS
+    save_onnx: bool  # save the exported, pre-grad and execution graphs into the run's folder
+    options: dict[str, str]  # ORTMODULE_* environment options, for example ORTMODULE_MEMORY_OPT_LEVEL: 1
+    fp16_optimizer: bool  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
+    mapped_dimensions: dict[str, int]  # symbolic dimension -> size, for ORT's sessions
 
     def check(self, job) -> None:
         super().check(job)
@@ -85,7 +83,8 @@ class ORTModuleBackend(TorchBackend):
                               "allowed here: backend.fp16_optimizer=false")
 
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
-        # ORTModule reads its ORTMODULE_* options from the environment when it is constructed.
+        # ORTModule reads its ORTMODULE_* options from the environment when it is constructed (the
+        # environment is restored when the run ends: orchestrate.process).
         os.environ.update({k: str(v) for k, v in self.options.items()})
         ensure_extensions()
         from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
@@ -107,11 +106,7 @@ class ORTModuleBackend(TorchBackend):
 
             def with_threads(self_, original=original):
                 options, providers, provider_options = original()
-                if self.intra_op_threads:
-                    options.intra_op_num_threads = self.intra_op_threads
-                options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
-                for name, value in self.mapped_dimensions.items():
-                    options.add_free_dimension_override_by_name(name, value)
+                ort.configure(options, self.intra_op_threads, self.allow_spinning, self.mapped_dimensions)
                 return options, providers, provider_options
 
             manager._get_session_config = types.MethodType(with_threads, manager)

@@ -1,17 +1,39 @@
 """Data sets shipped with orchestrate: in-memory tensors, drawn in the same order by every backend.
 
-A data set is any object with the attributes of `TensorData`: `loss`, `train_batch(position,
-batch_size, seed, rank, world_size)` and `eval_batches(batch_size)`. Subclass `TensorData` (or
-write your own) and point `data._target_` at it.
+A data set is any object that has what `DataSet` names (the loops call nothing else). Subclass
+`TensorData` (or write your own class) and point `data._target_` at it.
 """
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-LOSSES = ("cross_entropy", "mse", "bce_with_logits", "l1")
+from orchestrate import losses
+
+
+class DataSet(Protocol):
+    """What every backend's loop reads from `data`."""
+
+    loss: str  # a name in orchestrate.losses.LOSSES: how the model's output is scored
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0,
+                    world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s share (batch_size samples) of global batch number `position` (0-based)
+        of the order `seed` gives: the same batches on every backend and after a resume."""
+
+    def epoch_of(self, position: int, batch_size: int, world_size: int = 1) -> tuple[int, int]:
+        """(epoch, batch index within it) of global batch `position`, stored in checkpoints;
+        a ValueError when a global batch is larger than the training set."""
+
+    def eval_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole eval split, in batches of at most `batch_size`."""
+
+    def sample_input(self, batch_size: int = 2) -> torch.Tensor:
+        """A small input batch, for exporting the model to ONNX."""
 
 
 class TensorData:
@@ -23,8 +45,7 @@ class TensorData:
     """
 
     def __init__(self, x_train, y_train, x_eval, y_eval, loss: str):
-        if loss not in LOSSES:
-            raise ValueError(f"data.loss={loss!r} is not one of {', '.join(LOSSES)}")
+        losses.get(loss)  # a ValueError naming the allowed losses
         self.x_train, self.y_train, self.x_eval, self.y_eval = x_train, y_train, x_eval, y_eval
         self.loss = loss
         # Batches are cut with numpy (a few microseconds) and handed out as zero-copy torch

@@ -12,7 +12,16 @@ from tests.conftest import BACKENDS, client_for, metric_steps
 METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+def starts_ort_or_ray(backend: str) -> bool:
+    """ORTModule (graph build, C++ extensions) and Ray (a cluster, worker processes) are slow to start."""
+    from orchestrate.backends.ortmodule import ORTModuleBackend
+
+    target = schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend")
+    return issubclass(target, ORTModuleBackend) or target.distributed
+
+
+@pytest.fixture(scope="module", params=[pytest.param(b, marks=pytest.mark.slow) if starts_ort_or_ray(b) else b
+                                        for b in BACKENDS])
 def trained(request, mlflow_server, tmp_path_factory):
     """One short run per backend on the synthetic task, tracked by the MLflow server."""
     out = tmp_path_factory.mktemp(request.param)

@@ -6,6 +6,7 @@ import pytest
 
 from orchestrate import app
 
+pytestmark = pytest.mark.slow  # ORTModule
 PARITY = ["torch", "ortmodule", "ondevice"]
 
 

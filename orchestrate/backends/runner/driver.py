@@ -1,0 +1,198 @@
+"""The distributed runner: ORT's TrainingRunner::Run loop in Python, data-parallel on Ray Train
+workers, gradients all-reduced by torch.distributed (gloo on CPU, NCCL on GPU).
+
+    python -m orchestrate backend=runner trainer.num_workers=2
+    python -m orchestrate backend=runner backend.engine=torch trainer.gradient_accumulation_steps=4
+    python -m orchestrate backend=runner backend.engine=ondevice backend.average_every=10
+    python -m orchestrate backend=runner backend.ray_address=auto trainer.num_workers=8   # a cluster
+
+This file is the driver: it checks the settings, holds a Ray cluster with room for the workers,
+and hands `worker.worker_loop` to Ray Train's TorchTrainer. Each weight update on the workers is
+GradientAccumulateStep x (K-1) (forward and backward, no AllReduce) then ModelUpdateStep (forward,
+backward, AllReduce, optimizer step, schedule step).
+
+Engines (`backend.engine`) are backends too: the name of a conf/backend file whose backend can run
+on the workers (`data_parallel`), built from that file and run with the workers' data-parallel
+context (`sync.Workers`):
+  ortmodule  DDP(ORTModule(model)), ORT's recipe for distributed ORTModule (the default)
+  torch      plain DDP
+  ondevice   ORT's on-device training API on each worker; its gradient buffers are all-reduced
+             before each optimizer step, or (`backend.average_every=N`) the parameters are
+             averaged every N updates: federated averaging.
+
+Faults and resume: rank 0's checkpoints are also reported to Ray Train, so that when a worker
+dies Ray restarts all workers (`backend.max_failures` times) and they go on from the latest one;
+`trainer.resume` continues a stopped run the same way. A checkpoint holds the step counts, the
+data position, the model, optimizer, schedule, loss-scaler and RNG states
+(`orchestrate.checkpoints.save_torch`).
+"""
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrate import ray_cluster, schema
+from orchestrate.backends.base import Backend
+from orchestrate.schema import ConfigError, Device
+from orchestrate.tracking import absolute_uri
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement group strategies
+_ENGINES: dict[str, dict] = {}  # engine name -> its backend config, composed once per process
+
+
+def engine_config(name: str) -> DictConfig:
+    """conf/backend/<name>.yaml as the config composes it (so a user's own backend file works too)."""
+    if name not in _ENGINES:
+        from hydra.errors import MissingConfigException
+
+        from orchestrate import app
+
+        try:
+            node = app.load_config([f"backend={name}"]).backend
+        except MissingConfigException:
+            raise ConfigError(f"backend.engine={name}: no such backend; allowed: {', '.join(engines())}") from None
+        _ENGINES[name] = OmegaConf.to_container(node, resolve=True)
+    return OmegaConf.create(_ENGINES[name])
+
+
+def remember_engine(name: str, node: dict) -> None:
+    """A worker gets the engine's config from the driver: no second composition there."""
+    _ENGINES[name] = node
+
+
+def engines() -> list[str]:
+    """The backends that can run on the runner's workers (`data_parallel`)."""
+    from orchestrate import app
+
+    found = []
+    for name in app.group_options("backend"):
+        try:
+            if getattr(schema.target_of(engine_config(name), "backend"), "data_parallel", False):
+                found.append(name)
+        except ConfigError:
+            pass
+    return found
+
+
+@dataclass
+class RunnerBackend(Backend):
+    name: str
+    engine: str  # the backend each worker runs: a conf/backend name (ortmodule, torch, ondevice)
+    cpus_per_worker: float  # Ray resources per worker; also sizes its torch and ORT thread pools
+    use_gpu: bool  # one GPU per worker, NCCL
+    ray_address: Optional[str]  # an existing Ray cluster ("auto", "ray://..."); None: a local one
+    placement_strategy: str  # how workers spread over nodes: one of STRATEGIES
+    placement_timeout_s: float  # give up (with what was asked and what is free) if not placed by then
+    storage_path: Optional[str]  # Ray Train's checkpoint copies; shared storage on a multi-node cluster
+    max_failures: int  # worker failures survived: all workers restart from the latest checkpoint
+    average_every: int  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
+    check_replicas: bool  # log train/replica_divergence (largest parameter gap between ranks)
+    mapped_dimensions: dict[str, int]  # ORT's symbolic dimension -> size, handed to ORT engines
+    distributed = True  # accepts trainer.num_workers and trainer.gradient_accumulation_steps above 1
+    resumable = True
+
+    def engine_node(self) -> DictConfig:
+        """The engine's backend config, sized for one worker: its thread pools get the worker's
+        CPUs, and ORT engines the runner's mapped dimensions."""
+        node = engine_config(self.engine)
+        sized = {"intra_op_threads": max(1, int(self.cpus_per_worker)), "mapped_dimensions": self.mapped_dimensions}
+        return OmegaConf.merge(node, {k: v for k, v in sized.items() if k in node})
+
+    def check(self, job) -> None:
+        t = job.trainer
+        if self.engine == self.name:
+            raise ConfigError(f"backend.engine={self.engine}: the runner cannot run itself on its workers")
+        engine = schema.build(self.engine_node(), "backend.engine")
+        if not engine.data_parallel:
+            raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
+                              f"workers; allowed: {', '.join(engines())}")
+        engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
+        if self.placement_strategy not in STRATEGIES:
+            raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
+        for key in ("cpus_per_worker", "placement_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"backend.{key}={getattr(self, key)}: must be above 0")
+        for key in ("max_failures", "average_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"backend.{key}={getattr(self, key)}: must be 0 or more")
+        if t.resume and not engine.resumable:
+            raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue from a "
+                              "checkpoint yet; allowed engines: ortmodule, torch")
+        if self.average_every and not engine.averaging:
+            raise ConfigError(f"backend.average_every needs an engine that averages parameters (backend.engine="
+                              f"ondevice); backend.engine={self.engine} all-reduces gradients every update")
+        if self.use_gpu != (t.device == Device.cuda):
+            raise ConfigError(f"backend.use_gpu={str(self.use_gpu).lower()} and trainer.device={t.device.value} "
+                              "disagree: set both (use_gpu=true with device=cuda) or neither")
+        wanted = t.num_workers * self.cpus_per_worker
+        if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > (os.cpu_count() or 1):
+            raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
+                              f"{self.cpus_per_worker} asks for {wanted:g} CPUs; this machine has {os.cpu_count()}")
+
+    @contextlib.contextmanager
+    def connect(self, job) -> Iterator[None]:
+        """Join (or start) Ray and make sure the workers can be placed; a Ray instance started here
+        is shut down when the run ends."""
+        # Ray Train's report() otherwise waits up to its 2 s poll of the workers' results.
+        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+        try:
+            started = ray_cluster.init(self.ray_address, "backend.ray_address")
+        except ray_cluster.RayUnavailable as e:
+            raise ConfigError(str(e)) from None
+        try:
+            n = job.trainer.num_workers
+            bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+            try:
+                ray_cluster.wait_for_placement([bundle] * n, self.placement_strategy, self.placement_timeout_s,
+                                               asked=f"trainer.num_workers={n}: {n} worker(s)",
+                                               timeout_key="backend.placement_timeout_s")
+            except ray_cluster.PlacementError as e:
+                raise ConfigError(str(e)) from None
+            yield
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
+
+    def fit(self, job) -> None:
+        import ray
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from orchestrate.backends.runner.worker import SUMMARY_FILE, worker_loop
+
+        tracker = job.meter.tracker
+        run_id = tracker.run_id if tracker else None
+        # The checkpoint to resume from travels through Ray's object store: a worker on another
+        # node cannot read the driver's disk.
+        config = {"cfg": OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True),
+                  "engine": OmegaConf.to_container(self.engine_node()),
+                  "out_dir": str(job.out_dir.resolve()), "run_id": run_id,
+                  "resume": ray.put(job.resume_state) if job.resume_state is not None else None,
+                  "uri": absolute_uri(tracker.uri) if tracker else None}
+        trainer = TorchTrainer(
+            worker_loop, train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=job.trainer.num_workers, use_gpu=self.use_gpu,
+                                         resources_per_worker={"CPU": self.cpus_per_worker},
+                                         placement_strategy=self.placement_strategy),
+            run_config=RunConfig(
+                name=f"runner-{run_id or 'untracked'}",
+                storage_path=self.storage_path or str((job.out_dir / "ray").resolve()),
+                failure_config=FailureConfig(max_failures=self.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1)))
+        result = trainer.fit()
+        with result.checkpoint.as_directory() as folder:
+            summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
+        job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
+        job.meter.final.update(summary["final"])
+
+    def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
+        return schema.build(self.engine_node(), "backend.engine").read_checkpoint(path)

@@ -1,0 +1,48 @@
+"""The data-parallel context on the runner's workers: what `orchestrate.backends.base.Parallel`
+does nothing for in one process. torch.distributed carries the collectives (gloo on CPU, NCCL on
+GPU; Ray Train sets up the process group before the worker's function runs)."""
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from orchestrate.backends.base import Parallel
+
+
+class Workers(Parallel):
+    def __init__(self, rank: int, world_size: int, device: torch.device, average_every: int = 0,
+                 check_replicas: bool = True):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.logging = rank == 0
+        self.average_every, self.check_replicas = average_every, check_replicas
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+
+    def accumulating(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        # GradientAccumulateStep: DDP's AllReduce waits for the last micro-batch (ModelUpdateStep).
+        return contextlib.nullcontext() if last else model.no_sync()
+
+    def all_reduce_(self, flat: torch.Tensor) -> None:
+        dist.all_reduce(flat)
+
+    def replica_metrics(self, params: Iterable[torch.Tensor]) -> dict[str, float]:
+        """train/replica_divergence: the largest difference of any parameter between any two
+        ranks (0.0: all ranks agree)."""
+        if not self.check_replicas:
+            return {}
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+        high, low = flat.clone(), flat.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        return {"train/replica_divergence": (high - low).max().item()}
+
+    def agree(self, flag: bool) -> bool:
+        """True when `flag` is true on every worker (one MIN all-reduce of one int)."""
+        value = torch.tensor([1 if flag else 0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())

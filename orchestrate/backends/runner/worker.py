@@ -1,0 +1,108 @@
+"""What each of the runner's workers runs (Ray Train's per-worker function): set up this rank,
+run the engine's own loop (the engine is a backend built from its conf/backend file, the same
+object `backend=<engine>` trains with in one process), then report the summary to the driver.
+
+The same seed builds the same initial weights on every rank, each rank reads its own shard of
+every global batch, and rank 0 evaluates, checkpoints and logs to the MLflow run that the driver
+opened.
+"""
+
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
+from orchestrate.backends.runner.sync import Workers
+
+SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last report
+
+
+def worker_loop(config: dict) -> None:
+    import ray.train
+    from omegaconf import OmegaConf
+    from ray.train.v2._internal.execution import context as train_context
+
+    from orchestrate import schema
+    from orchestrate.backends.runner.driver import remember_engine
+    from orchestrate.job import Job
+    from orchestrate.tracking import ONE_LOGGING_THREAD, RunLogger
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
+    remember_engine(cfg.backend.engine, config["engine"])
+    torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
+    os.environ.update(ONE_LOGGING_THREAD)
+    if rank != 0:
+        cfg.trainer.progress = False
+    job = Job.prepare(cfg, Path(config["out_dir"]))  # same seed: same initial weights on every rank
+    engine = schema.build(OmegaConf.create(config["engine"]), "backend.engine")
+    device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
+    job.parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas)
+    job.device, job.meter = device, job.make_meter(logging=rank == 0)
+    job.meter.name = f"{cfg.backend.name}/{engine.name}"
+    job.checkpoints.writer = rank == 0
+    if engine.resumable:
+        job.resume_state = resume_state(config)
+    reporter = Reporter(job.parallel)
+    job.meter.on_display = reporter.metrics
+    if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
+        job.checkpoints.on_save = reporter.checkpoint
+    if rank == 0 and config["run_id"]:
+        job.track(RunLogger(config["uri"], config["run_id"]))
+        # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
+        job.meter.continue_history(job.meter.tracker.logged_history())
+    tag_workers(job, rank, world)
+    if rank == 0:
+        job.meter.log({"world_size": world, "effective_batch_size": job.meter.samples_per_step}, step=0)
+
+    engine.fit(job)
+
+    summary = job.meter.summary()
+    if rank == 0 and job.meter.tracker:
+        job.meter.close()
+        job.meter.tracker.flush()
+    reporter.close()
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = None
+        if rank == 0:
+            (Path(folder) / SUMMARY_FILE).write_text(json.dumps({"history": job.meter.history, "final": summary}))
+            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        ray.train.report({"step": job.trainer.max_steps, "done": True}, checkpoint=checkpoint)
+
+
+def resume_state(config: dict) -> dict | None:
+    """After a worker failure: the latest checkpoint Ray holds; else trainer.resume's, if any."""
+    import ray
+    import ray.train
+
+    from orchestrate.checkpoints import load_torch
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            path = Path(folder) / CHECKPOINT_FILE
+            if path.exists():
+                return load_torch(path.read_bytes())
+    if config["resume"] is not None:
+        return load_torch(ray.get(config["resume"]))
+    return None
+
+
+def tag_workers(job, rank: int, world: int) -> None:
+    """Tag the MLflow run with where each rank runs (`worker.<rank>`: host, IP, Ray node id, pid)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    me = f"{platform.node()} {ray.util.get_node_ip_address()} node {node[:12]} pid {os.getpid()}"
+    everyone = [None] * world
+    dist.all_gather_object(everyone, me)
+    if rank == 0 and job.meter.tracker:
+        job.meter.tracker.set_tags({f"worker.{r}": w for r, w in enumerate(everyone)})

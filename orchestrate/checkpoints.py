@@ -1,0 +1,111 @@
+"""Checkpoints: when to write them, how (atomically, the newest few kept, each logged to MLflow),
+and what a PyTorch checkpoint holds so that a run resumes exactly where it stopped.
+
+A checkpoint is written to a temporary name and renamed, so a crash never leaves a half-written
+file where a finished one was expected: the last finished checkpoint always survives.
+"""
+
+import io
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from orchestrate.schema import TrainerConf
+
+
+class Checkpoints:
+    """Writes `<out_dir>/checkpoints/step_NNNNNNN<suffix>` at `trainer.checkpoint_period` and after
+    the last step. Only the writer (rank 0 of the runner's workers) writes; every worker calls
+    `save`, so that `on_save` (the runner's report to Ray Train) is called on all of them alike."""
+
+    def __init__(self, trainer: TrainerConf, folder: Path, tracker: Any = None, log_to_tracker: bool = True,
+                 writer: bool = True):
+        self.trainer, self.folder, self.tracker = trainer, folder, tracker
+        self.log_to_tracker, self.writer = log_to_tracker, writer
+        self.on_save: Callable[[int, Path | None], None] | None = None
+        self.seconds = 0.0  # time spent writing: the meter leaves it out of the step times
+
+    def save(self, step: int, write: Callable[[Path], None], suffix: str) -> Path | None:
+        """At checkpoint steps, `write(path)` a checkpoint; returns its path (None elsewhere, and
+        on workers that do not write)."""
+        if not self.trainer.due(step, self.trainer.checkpoint_period):
+            return None
+        began = time.perf_counter()
+        path = None
+        if self.writer:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.folder / f"step_{step:07d}{suffix}"
+            tmp = self.folder / f".tmp_step_{step:07d}{suffix}"
+            write(tmp)
+            os.replace(tmp, path)
+            for old in sorted(self.folder.glob(f"step_*{suffix}"))[: -self.trainer.max_num_checkpoints]:
+                old.unlink()
+            if self.tracker is not None:
+                # Every step up to this checkpoint reaches MLflow before the checkpoint counts: a
+                # run resumed from it logs only the steps after it, so none may still be queued.
+                self.tracker.flush()
+                if self.log_to_tracker:
+                    self.tracker.log_artifact(path, "checkpoints")
+        if self.on_save is not None:
+            self.on_save(step, path)
+        self.seconds += time.perf_counter() - began
+        return path
+
+
+# ---- what a PyTorch checkpoint holds --------------------------------------------------------------
+def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler, job, scaler=None) -> None:
+    """Everything a resume needs (the list of ORT's TrainingRunner): the weight-update count, the
+    forward/backward passes done and where they leave the data (round = epoch, index within it),
+    weights, optimizer, schedule and loss-scaler state, and every RNG state."""
+    t = job.trainer
+    micro_steps = step * t.gradient_accumulation_steps
+    round_, index = job.data.epoch_of(micro_steps, t.batch_size, job.parallel.world_size)
+    np_state = np.random.get_state()
+    torch.save({
+        "step": step,  # weight updates done (ORT: weight_update_step_count_)
+        "micro_steps": micro_steps,  # forward/backward passes done (ORT: step_), also the data position
+        "round": round_,  # passes over the training data (ORT: round_)
+        "data_index": index,  # next batch within this pass (ORT: training_data_set_index_)
+        "world_size": job.parallel.world_size,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+    }, path)
+
+
+def load_torch(source: Path | bytes) -> dict:
+    """A checkpoint written by `save_torch`, from a file or its bytes (weights only: no code runs
+    on load)."""
+    f = io.BytesIO(source) if isinstance(source, bytes) else source
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def restore_torch(state: dict, optimizer, scheduler, scaler=None) -> int:
+    """Put optimizer, schedule, loss scaler and RNG back as they were; returns the step to go on from."""
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state((rng["numpy"][0], rng["numpy"][1].numpy().astype(np.uint32), *rng["numpy"][2:]))
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"]
+
+
+def torch_parameters(path: Path) -> dict[str, np.ndarray]:
+    """The model parameters in a PyTorch checkpoint, by name."""
+    return {k: v.numpy() for k, v in load_torch(path)["model"].items()}

@@ -1,0 +1,134 @@
+"""The meter: what a training loop reports as it goes. It counts the steps (with a progress bar),
+averages the train loss and times the steps between displays, runs evaluation at its period,
+and sends every metric to the history (the loss-curve chart), to MLflow and, when asked, to
+TensorBoard. Every backend's loop reports through it, so every backend logs the same names:
+
+  train/loss, perf/samples_per_sec, perf/step_time_ms, lr      every trainer.display_loss_steps
+  eval/loss, eval/accuracy                                       every trainer.evaluation_period
+"""
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from orchestrate.schema import TrainerConf
+
+
+class Meter:
+    def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
+                 tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0):
+        self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
+        self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
+        self.tracker = tracker  # orchestrate.tracking.RunLogger, or None (not tracked, or not rank 0)
+        self.logging = logging  # False on the runner's other workers: no bar, no evaluation
+        self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
+        self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.final: dict[str, float] = {}
+        self.logged_through: dict[str, int] = {}  # a resumed run: last step in MLflow, per metric
+        self.tensorboard = None  # trainer.tensorboard: a SummaryWriter, opened at the first metric
+        self._timed_steps, self._timed_seconds = 0, 0.0
+
+    def steps(self, start: int = 1) -> Iterator[int]:
+        """Yield 1-based step numbers with a progress bar; time the steps between displays."""
+        t = self.trainer
+        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_start = self._run_start = time.perf_counter()
+        self._paused_at_start = self.paused()
+        self._bar = tqdm(total=t.max_steps, initial=start - 1, disable=not (t.progress and self.logging),
+                         unit="step", dynamic_ncols=True, mininterval=0.2 if os.isatty(2) else 10.0, desc=self.name)
+        try:
+            for step in range(start, t.max_steps + 1):
+                yield step
+                self._bar.update()
+        finally:
+            self._bar.close()
+        self.final["wall_time_s"] = time.perf_counter() - self._run_start
+
+    def displaying(self, step: int) -> bool:
+        return self.trainer.due(step, self.trainer.display_loss_steps)
+
+    def record(self, step: int, loss: float) -> None:
+        """Call after every step with its loss; logs at every `display_loss_steps`."""
+        self._window_loss += loss
+        self._window_steps += 1
+        if not self.displaying(step):
+            return
+        now, paused = time.perf_counter(), self.paused()
+        seconds = now - self._window_start - self._excluded - (paused - self._paused_at_start)
+        mean_loss = self._window_loss / self._window_steps
+        metrics = {
+            "train/loss": mean_loss,
+            "perf/samples_per_sec": self._window_steps * self.samples_per_step / seconds,
+            "perf/step_time_ms": 1000.0 * seconds / self._window_steps,
+            "lr": self.lr * self.trainer.lr_factor(step - 1),
+        }
+        # The first window holds graph builds and warm-up: it is logged, not counted in the totals.
+        if self._timed_steps or self._window_steps == self.trainer.max_steps or step > self.trainer.display_loss_steps:
+            self._timed_steps += self._window_steps
+            self._timed_seconds += seconds
+        self.log(metrics, step)
+        self.final["train_loss"] = mean_loss
+        self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
+        if self.on_display is not None:
+            self.on_display(step, metrics)
+        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_start, self._paused_at_start = time.perf_counter(), self.paused()
+
+    def evaluate(self, step: int, run_eval: Callable[[], tuple[float, float | None]]) -> None:
+        """Run `run_eval() -> (loss, accuracy or None)` at evaluation steps and log the result."""
+        if not (self.logging and self.trainer.due(step, self.trainer.evaluation_period)):
+            return
+        began = time.perf_counter()
+        loss, accuracy = run_eval()
+        metrics = {"eval/loss": loss}
+        if accuracy is not None:
+            metrics["eval/accuracy"] = accuracy
+        self.log(metrics, step)
+        self.final.update({k.replace("/", "_"): v for k, v in metrics.items()})
+        msg = f"step {step}: eval loss {loss:.4f}" + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+        self._bar.write(f"[{self.name}] {msg}")
+        self._excluded += time.perf_counter() - began
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Keep `metrics` in the history and send them to MLflow (and TensorBoard)."""
+        if self.logged_through:
+            metrics = {k: v for k, v in metrics.items() if step > self.logged_through.get(k, -1)}
+        for k, v in metrics.items():
+            self.history.setdefault(k, []).append((step, v))
+        if self.tracker is not None and metrics:
+            self.tracker.log_metrics(metrics, step)
+            if self.trainer.tensorboard:
+                self._tensorboard(metrics, step)
+
+    def continue_history(self, logged: dict[str, list[tuple[int, float]]]) -> None:
+        """A resumed run: take over the curves already in MLflow, and log no step of them again
+        (the steps between the last checkpoint and a crash were logged before it)."""
+        self.history = {k: list(v) for k, v in logged.items()}
+        self.logged_through = {k: v[-1][0] for k, v in logged.items() if v}
+
+    def summary(self) -> dict[str, float]:
+        """The final metrics: last train loss, last eval, throughput and step time over the timed steps."""
+        if self._timed_steps:
+            self.final["samples_per_sec"] = self._timed_steps * self.samples_per_step / self._timed_seconds
+            self.final["step_time_ms"] = 1000.0 * self._timed_seconds / self._timed_steps
+        return dict(self.final)
+
+    def close(self) -> None:
+        """The end of training: the TensorBoard event files are complete, log them too."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tracker.log_artifacts(self.out_dir / "tensorboard", "tensorboard")
+            self.tensorboard = None
+
+    def _tensorboard(self, metrics: dict[str, float], step: int) -> None:
+        if self.tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(self.out_dir / "tensorboard"))
+        for k, v in metrics.items():
+            self.tensorboard.add_scalar(k, v, step)

@@ -1,0 +1,44 @@
+"""The meter: train loss averaged over each display window, evaluation at its period (and after
+the last step), nothing logged twice when a run is resumed."""
+
+import pytest
+
+from orchestrate.meter import Meter
+from orchestrate.schema import TrainerConf
+
+
+def make_meter(tmp_path, **trainer) -> Meter:
+    t = TrainerConf(progress=False, **trainer)
+    return Meter(t, "test", lr=0.1, samples_per_step=t.batch_size, out_dir=tmp_path)
+
+
+def test_window_means_and_eval_steps(tmp_path):
+    meter = make_meter(tmp_path, max_steps=10, display_loss_steps=4, evaluation_period=5)
+    displayed = []
+    meter.on_display = lambda step, metrics: displayed.append(step)
+    for step in meter.steps():
+        meter.record(step, float(step))
+        meter.evaluate(step, lambda: (1.0 / step, None))
+    assert meter.history["train/loss"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
+    assert [s for s, _ in meter.history["eval/loss"]] == [5, 10]
+    assert displayed == [4, 8, 10]
+    final = meter.summary()
+    assert final["train_loss"] == 9.5 and final["eval_loss"] == pytest.approx(0.1)
+    assert final["samples_per_sec"] > 0 and "eval_accuracy" not in final
+
+
+def test_a_resumed_run_logs_no_step_twice(tmp_path):
+    meter = make_meter(tmp_path, max_steps=6, display_loss_steps=1)
+    meter.continue_history({"train/loss": [(1, 9.0), (2, 8.0), (3, 7.0)]})
+    for step in meter.steps(start=3):
+        meter.record(step, 1.0)
+    assert [s for s, _ in meter.history["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert meter.history["train/loss"][2] == (3, 7.0)  # the value already in MLflow stays
+
+
+def test_other_workers_do_not_evaluate(tmp_path):
+    t = TrainerConf(progress=False, max_steps=2, evaluation_period=1)
+    meter = Meter(t, "rank1", lr=0.1, samples_per_step=1, out_dir=tmp_path, logging=False)
+    for step in meter.steps():
+        meter.evaluate(step, lambda: pytest.fail("rank 1 evaluated"))
+    assert "eval/loss" not in meter.history

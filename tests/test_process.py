@@ -1,0 +1,58 @@
+"""A run leaves the process as it found it: ORTModule's backend sets torch's threads to one and
+ORT's options in the environment for its run, and a torch run after it in the same process gets
+PyTorch's default threads and an unchanged environment (as `benchmarks/backends.py` assumes)."""
+
+import os
+
+import pytest
+import torch
+
+from orchestrate import app, process
+
+
+def test_kept_restores_threads_and_environment():
+    threads = torch.get_num_threads()
+    os.environ["ORCHESTRATE_TEST_CHANGED"] = "before"
+    try:
+        with process.kept():
+            torch.set_num_threads(1 if threads > 1 else 2)
+            os.environ["ORCHESTRATE_TEST_ADDED"] = "x"
+            os.environ["ORCHESTRATE_TEST_CHANGED"] = "after"
+        assert torch.get_num_threads() == threads
+        assert "ORCHESTRATE_TEST_ADDED" not in os.environ
+        assert os.environ["ORCHESTRATE_TEST_CHANGED"] == "before"
+    finally:
+        os.environ.pop("ORCHESTRATE_TEST_CHANGED", None)
+
+
+class ThreadsSeen:
+    """Records torch's thread count when the torch backend's loop starts its first step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, original):
+        def fit(backend, job):
+            self.seen.append((backend.name, torch.get_num_threads(), dict(os.environ)))
+            return original(backend, job)
+
+        return fit
+
+
+@pytest.mark.slow
+def test_ortmodule_then_torch_in_one_process(make_cfg, tmp_path, monkeypatch):
+    from orchestrate.backends.torch import TorchBackend
+
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    assert threads > 1, "needs a machine with more than one core to tell the thread counts apart"
+    app.train(make_cfg("backend=ortmodule", "+backend.options.ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE"),
+              tmp_path / "ortmodule")
+    assert torch.get_num_threads() == threads
+    assert dict(os.environ) == environ  # no ORTMODULE_* option, nothing else left behind
+
+    seen = ThreadsSeen()
+    monkeypatch.setattr(TorchBackend, "fit", seen(TorchBackend.fit))
+    app.train(make_cfg("backend=torch"), tmp_path / "torch")
+    (name, torch_threads, torch_env), = seen.seen
+    assert (name, torch_threads) == ("torch", threads)  # PyTorch's default, not ORTModule's one thread
+    assert not any(k.startswith("ORTMODULE_") for k in torch_env)
