@@ -6,13 +6,17 @@
     python benchmarks/backends.py --overrides model=char_transformer data=python_source trainer.batch_size=16
 
 Runs are interleaved (torch, ortmodule, ondevice, torch, ...) so that drift on a shared machine
-hits every backend alike; the table shows the median of the repeats and the ratio to torch.
+hits every backend alike; the table shows the median of the repeats and the ratio to torch. Each
+run leaves the process as it found it (orchestrate.process), so torch runs with PyTorch's default
+threads even right after ORTModule set one; the script checks that before every run.
 """
 
 import argparse
 import statistics
 import tempfile
 from pathlib import Path
+
+import torch
 
 from orchestrate import app
 
@@ -29,6 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, list[dict]] = {b: [] for b in args.backends}
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for backend in args.backends:
@@ -37,10 +42,12 @@ def main() -> None:
                              "trainer.display_loss_steps=100", f"tracking.uri=sqlite:///{tmp}/bench.db",
                              "tracking.experiment=benchmark", "tracking.log_checkpoints=false", *args.overrides]
                 cfg = app.load_config(overrides)
+                assert torch.get_num_threads() == threads, "an earlier run left its thread count behind"
                 results[backend].append(app.train(cfg, Path(tmp) / f"{backend}-{rep}").metrics)
 
     base = statistics.median(r["samples_per_sec"] for r in results.get("torch", [{"samples_per_sec": float("nan")}]))
-    print(f"\n{args.steps} steps x {args.repeats} repeats, {' '.join(args.overrides) or 'digits MLP, batch 64, AdamW'}")
+    print(f"\n{args.steps} steps x {args.repeats} repeats, {' '.join(args.overrides) or 'digits MLP, batch 64, AdamW'}; "
+          f"torch with PyTorch's default {threads} threads, ortmodule and ondevice with their configured ORT threads")
     print(f"{'backend':<10} {'samples/s':>10} {'step ms':>8} {'vs torch':>9} {'target':>7} {'final loss':>10} {'eval acc':>9}")
     for backend, runs in results.items():
         sps = statistics.median(r["samples_per_sec"] for r in runs)

@@ -25,7 +25,8 @@ def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Pat
     ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # a sweep whose trials all failed has no curve
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

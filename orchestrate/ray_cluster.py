@@ -1,40 +1,143 @@
 """Joining Ray, for sweeps and for the runner: a new local instance bound to 127.0.0.1 by default,
-or a running cluster.
+or a running cluster; and making sure that resources asked for can be placed on it.
 
-Two Ray behaviours shape this (Ray 2.60, measured here):
+Two Ray behaviours shape `init` (Ray 2.60, measured here):
 - with no address, `ray.init()` joins whatever `ray start` last left in /tmp/ray/ray_current_cluster,
   even a cluster that has since gone (it then retries for minutes): no address means "local" here;
 - a local Ray swaps 127.0.0.1 for the machine's network address (even when told
   `_node_ip_address="127.0.0.1"`) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before `import ray`;
   with it every port Ray opens is bound to 127.0.0.1.
 `ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined.
+
+This module imports nothing else of orchestrate (the Hydra launcher plugin uses it), so its errors
+are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and
+`PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
 import os
-
-from orchestrate.schema import ConfigError
+import socket
+from collections.abc import Mapping, Sequence
 
 LOOPBACK = ("127.0.0.1", "localhost")
+_LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
+
+
+class RayUnavailable(ValueError):
+    """The Ray cluster at the configured address cannot be reached; the message names the key."""
+
+
+class PlacementError(RuntimeError):
+    """Resources asked for could not be placed on the Ray cluster within the time allowed; the
+    message says what was asked, what the cluster has in all and what is free."""
 
 
 def init(address: str | None, key: str, **local_options) -> bool:
     """Start or join Ray unless this process already has (then return False); `key` names the
     config key that gave `address` (for the error when it cannot be reached). `local_options`
-    (num_cpus, ...) apply to a new local instance only."""
+    (num_cpus, ...) apply to a new local instance only. Raises RayUnavailable."""
     address = address or os.environ.get("RAY_ADDRESS")
-    if address is None or address.split("://")[-1].split(":")[0] in LOOPBACK:
+    local = address is None or address.split("://")[-1].split(":")[0] in LOOPBACK
+    if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
+    if local and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        # Ray reads the variable once, when it is imported: a process that imported ray before
+        # this call would otherwise still register the machine's network address.
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    if address is not None:
+        reachable(address, key)
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
             ray.init(address="local", **options, **local_options)
+            global _LOCAL_SESSION
+            _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
         else:
             ray.init(address=address, **options)
     except ConnectionError as e:
-        raise ConfigError(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
-                          "auto, or the address of a running cluster") from None
+        raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
+                             "auto, or the address of a running cluster") from None
     return True
+
+
+def can_grow() -> bool:
+    """False for the local instance `init` started in this process (no autoscaler: what it has
+    is all it will ever have); True for a cluster that was joined, which may autoscale."""
+    import ray
+
+    return not (ray.is_initialized() and _LOCAL_SESSION == ray.get_runtime_context().get_job_id())
+
+
+def reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
+    """Raise RayUnavailable within `timeout_s` if nothing listens at `address`'s host:port (Ray's
+    own connect retries an unreachable address for minutes). `auto` and addresses without a port
+    are left to Ray."""
+    hostport = address.split("://")[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayUnavailable(f"{key}={address}: nothing answers at {host}:{port} ({e.strerror or e}); allowed: "
+                             "null (a new local Ray), auto, or the address of a running cluster") from None
+
+
+def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, timeout_s: float, asked: str,
+                       timeout_key: str) -> None:
+    """Wait until Ray could place `bundles` (resource dicts such as {"CPU": 1, "GPU": 1}) together
+    with `strategy` (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD), at most `timeout_s` seconds; then
+    give the resources back. Ray itself would wait forever for work it cannot place (too few CPUs,
+    GPUs asked on a cluster without, a cluster busy with other work), so callers check first.
+
+    Ray must be initialized. Zero amounts are left out and an empty bundle needs no wait. On time
+    out raises PlacementError: "{asked} asks for ... and could not be placed within
+    {timeout_key}={timeout_s}; the Ray cluster has ... in all, free now ...", so `asked` says which
+    setting asked (e.g. "hydra.launcher.cpus_per_trial=4: a trial") and `timeout_key` names the
+    setting that gave the timeout (e.g. "hydra.launcher.placement_timeout_s"). A cluster that
+    cannot grow (the local instance `init` started: no autoscaler) and could never hold the
+    bundles fails at once instead."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    wanted = [{k: v for k, v in bundle.items() if v} for bundle in bundles]
+    wanted = [bundle for bundle in wanted if bundle]
+    if not wanted:
+        return
+    if not can_grow() and not _could_ever_hold(wanted, ray.nodes()):
+        timeout_s = 0  # waiting cannot help: say so now
+    # Reserving a placement group is how Ray answers "could this be scheduled now?" for any
+    # cluster shape (several nodes, custom resources); it is freed at once for the real work.
+    group = placement_group(wanted, strategy=strategy)
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    finally:
+        remove_placement_group(group)
+    if ready:
+        return
+    keys = sorted({k for bundle in wanted for k in bundle})
+    total, free = ray.cluster_resources(), ray.available_resources()
+    if len(wanted) == 1:
+        what = str(wanted[0])
+    elif all(bundle == wanted[0] for bundle in wanted):
+        what = f"{len(wanted)} x {wanted[0]} ({strategy})"
+    else:
+        what = f"{wanted} ({strategy})"
+    within = f"within {timeout_key}={timeout_s:g}" if timeout_s else "on this cluster, which cannot grow"
+    raise PlacementError(f"{asked} asks for {what} and could not be placed {within}; "
+                         f"the Ray cluster has {({k: total.get(k, 0.0) for k in keys})} in all, "
+                         f"free now {({k: free.get(k, 0.0) for k in keys})}")
+
+
+def _could_ever_hold(bundles: list[dict], nodes: list[dict]) -> bool:
+    """Whether the cluster's alive nodes, all free, could hold the bundles: every bundle fits one
+    node and the totals suffice (a necessary check, not a full packing)."""
+    capacity = [n["Resources"] for n in nodes if n.get("Alive")]
+    fits = all(any(all(node.get(k, 0) >= v for k, v in b.items()) for node in capacity) for b in bundles)
+    return fits and all(sum(node.get(k, 0) for node in capacity) >= sum(b.get(k, 0) for b in bundles)
+                        for k in {k for b in bundles for k in b})

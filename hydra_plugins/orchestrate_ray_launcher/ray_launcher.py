@@ -1,9 +1,12 @@
-"""orchestrate's Hydra launcher: each trial of a sweep is a Ray task, tracked as a nested MLflow run.
+"""A Hydra launcher that runs each job of a sweep (`--multirun`) as a Ray task, for any Hydra app:
+select it with `hydra/launcher=orchestrate_ray` and set its options under `hydra.launcher.*`.
 
-Shaped like Hydra's own launcher plugins: this thin public class and its `*Conf` dataclass; the
-work is in `orchestrate.launch._core`, imported only when a sweep launches. Why not
-`hydra-ray-launcher`: it raises the first trial's error only after every trial ran, cannot stop at
-the first failure, and knows nothing of MLflow (parent run, nested trials, resuming a sweep).
+Shaped like Hydra's own launcher plugins: this thin public class and its `*Conf` dataclass (stored
+in the ConfigStore as hydra/launcher=orchestrate_ray); the work is in `orchestrate.launch._core`,
+imported only when a sweep launches, so that discovering plugins stays cheap and imports no Ray.
+Why not `hydra-ray-launcher`: it raises the first job's error only after every job ran, cannot stop
+at the first failure, asks Ray for no resources per job, and waits forever for jobs that the
+cluster cannot hold.
 """
 
 from dataclasses import dataclass
@@ -18,15 +21,24 @@ from omegaconf import DictConfig
 
 @dataclass
 class OrchestrateRayLauncherConf:
+    # The class Hydra instantiates with these settings.
     _target_: str = "hydra_plugins.orchestrate_ray_launcher.ray_launcher.OrchestrateRayLauncher"
-    address: Optional[str] = None  # Ray cluster to join ("auto", "ray://host:10001"); None: start a local one
-    num_cpus: Optional[int] = None  # CPUs of the local Ray instance; None: all cores
-    cpus_per_trial: float = 1  # Ray resources each trial asks for; concurrency = cores / cpus_per_trial
+    # A running Ray cluster to join ("auto", "ray://host:10001", "127.0.0.1:6379"); null: the one in
+    # $RAY_ADDRESS if set, else a new local instance bound to 127.0.0.1.
+    address: Optional[str] = None
+    # CPUs of a new local instance; null: all cores. Ignored when joining a cluster.
+    num_cpus: Optional[int] = None
+    # CPUs each job asks Ray for, which sets how many run at once (2 CPUs, 0.5 each: 4 at once).
+    cpus_per_trial: float = 1
+    # GPUs each job asks for (fractions share a GPU); Ray sets CUDA_VISIBLE_DEVICES in the job.
     gpus_per_trial: float = 0
-    fail_fast: bool = False  # stop the sweep (cancel pending trials) at the first failed trial
-    resume: bool = True  # re-running the same sweep skips its FINISHED trials, under the same parent run
-    dry_run: bool = False  # print the plan (trials, overrides, resources) and run nothing
-    tracking_server: bool = True  # SQLite store: route every trial's writes through one local MLflow server
+    # Stop the sweep at the first failed job: cancel the jobs still pending or running, raise its error.
+    fail_fast: bool = False
+    # A job's resources not free anywhere within this many seconds (too few on every node, no GPU,
+    # a cluster busy with other work) stop the sweep with one message, not an endless wait.
+    placement_timeout_s: float = 60
+    # Print the plan (jobs, where, resources, each job's overrides) and run nothing.
+    dry_run: bool = False
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="orchestrate_ray", node=OrchestrateRayLauncherConf,
@@ -34,12 +46,13 @@ ConfigStore.instance().store(group="hydra/launcher", name="orchestrate_ray", nod
 
 
 class OrchestrateRayLauncher(Launcher):
+    """Runs each job of a sweep as a Ray task; see `orchestrate.launch._core`."""
+
     def __init__(self, **conf: Any) -> None:
         self.conf = OrchestrateRayLauncherConf(**conf)
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
-        self.sweep = None  # orchestrate.launch._core.Sweep, made at the first launch
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function

@@ -1,2 +1,3 @@
-"""Sweeps: the Ray launcher's private core (`_core`), used by the Hydra plugin in
-`hydra_plugins/orchestrate_ray_launcher`, and the MLflow side of a sweep (`sweep_runs`)."""
+"""Sweeps on Ray: `_core` is the private core of orchestrate's Hydra launcher plugin
+(`hydra_plugins/orchestrate_ray_launcher`, `hydra/launcher=orchestrate_ray`), imported only when a
+sweep launches. A sweep's MLflow side is in `orchestrate.sweeps` (Hydra callbacks, any launcher)."""

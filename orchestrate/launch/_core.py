@@ -1,222 +1,354 @@
-"""The Ray launcher's work: validate every trial, open (or find) the sweep's parent run, run the
-trials as Ray tasks, and print and log the summary. Imported lazily by the Hydra plugin."""
+"""The Ray launcher's work, imported by `hydra_plugins.orchestrate_ray_launcher` only when a sweep
+launches: compose every job's config, start or join Ray, make sure a job can be placed, run each
+job as a Ray task (Hydra's `run_job` in the worker, Hydra's global state restored as the joblib and
+ray launchers do), collect the results as they come, and return once every job's printed output
+has reached this console.
 
+Generic: nothing here knows the app it runs; of orchestrate it uses `ray_cluster` alone.
+"""
+
+import collections
 import contextlib
-import io
+import ctypes
+import functools
 import logging
 import os
 import sys
+import threading
 import time
+import traceback
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
-from omegaconf import OmegaConf, open_dict
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from omegaconf import DictConfig, open_dict
 
-from orchestrate import ray_cluster, schema
-from orchestrate.tracking import ONE_LOGGING_THREAD, ui_command
-from orchestrate.launch.sweep_runs import (TRIAL_KEY, ParentRun, TrackingServer, Trial, child_metrics, sweep_key,
-                                           trial_name)
+from orchestrate import ray_cluster
 
 log = logging.getLogger(__name__)
-OPEN_SWEEP = None  # the sweep this process is running, closed by close_open_sweep()
+OUTPUT_WAIT_S = 10.0  # longest wait, once the jobs are done, for their last lines to reach this console
+END_OF_OUTPUT = ":orchestrate_end_of_output:"  # opens the marker a job writes last on stdout and stderr
 
 
-def _run_trial(hydra_context, task_function, sweep_config, singleton_state) -> JobReturn:
-    """Runs in a Ray worker: restore Hydra's global state, then run the job in its own folder."""
-    started_at = time.time()
-    os.environ.update(ONE_LOGGING_THREAD)
-    setup_globals()
-    Singleton.set_state(singleton_state)
-    HydraConfig.instance().set_config(sweep_config)
-    began = time.perf_counter()
-    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
-                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    ret.wall_time_s, ret.started_at = time.perf_counter() - began, started_at
-    if ret.status == JobStatus.FAILED:
-        # Exceptions travel back as text: the trial's error, not a pickling problem of its type.
-        ret.error = f"{type(ret._return_value).__name__}: {ret._return_value}"
-        ret._return_value = RuntimeError(ret.error)
-    return ret
+class RemoteTraceback(Exception):
+    """The cause shown under a TrialError: the job's traceback as its Ray worker printed it."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0]}"""'
 
 
-class Sweep:
-    """State kept across the launcher's calls (Optuna launches one batch at a time)."""
+class TrialError(RuntimeError):
+    """A job's exception as text ("ValueError: boom") with its worker's traceback as the cause. It
+    travels back from the Ray worker as text whatever the original type: an exception class that
+    cannot be pickled or rebuilt here would otherwise replace the job's error with a pickling one."""
 
-    def __init__(self, launcher):
-        cfg, conf = launcher.config, launcher.conf
-        self.conf = conf
-        self.metric = cfg.sweep.metric
-        self.command = list(cfg.hydra.overrides.task)
-        self.trials: list[Trial] = []
-        self.began = time.time()
-        self.first_trial_started: float | None = None
-        self.server = None
-        uri = cfg.tracking.uri
-        self.direct_uri = uri
-        self.experiment = cfg.tracking.experiment
-        if uri.startswith("sqlite:") and conf.tracking_server and not conf.dry_run:
-            # Create the store and experiment once, directly, so that artifacts land in ./mlruns as
-            # for single runs; then every trial writes through one local server.
-            ParentRun.ensure_experiment(uri, cfg.tracking.experiment)
-            began = time.perf_counter()
-            self.server = TrackingServer(uri, Path("mlartifacts").resolve())
-            log.info(f"MLflow server for the sweep on {self.server.uri} (started in {time.perf_counter() - began:.1f} s)")
-            uri = self.server.uri
-        self.uri = uri
-        sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=False)
-        definition = {"name": cfg.sweep.name, "command": self.command, "sweeper": sweeper,
-                      "params": {**(sweeper.get("params") or {}), "metric": self.metric}}
-        self.parent = None if conf.dry_run else ParentRun(uri, cfg.tracking.experiment,
-                                                          sweep_key(self.command, sweeper), conf.resume, definition)
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.__cause__ = RemoteTraceback(remote_traceback)
 
-    def close(self) -> str:
-        try:
-            return self.parent.close(self.trials, self.metric) if self.parent else ""
-        finally:
-            if self.server:
-                self.server.stop()
+    def __reduce__(self):
+        return TrialError, (str(self), self.remote_traceback)
+
+    @classmethod
+    def of(cls, e: BaseException) -> "TrialError":
+        return cls(f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+
+
+def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_state: dict,
+             end_marker: Optional[str]) -> JobReturn:
+    """Runs in a Ray worker: restore Hydra's global state as the driver has it, run the job in its
+    own folder (Hydra's callbacks' on_job_start/on_job_end run here), then mark the end of its
+    output (see OutputBarrier)."""
+    try:
+        setup_globals()
+        Singleton.set_state(singleton_state)
+        HydraConfig.instance().set_config(sweep_config)
+        ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        if ret.status == JobStatus.FAILED:
+            ret._return_value = TrialError.of(ret._return_value)
+        return ret
+    finally:
+        _write_end_marker(end_marker)
+
+
+def _write_end_marker(marker: Optional[str]) -> None:
+    """Write `marker` as the last line of this worker's stdout and stderr, after everything the job
+    wrote there (Python's buffers and C's stdio buffers, for libraries printing from C/C++)."""
+    if marker is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+    for fd in (1, 2):  # the descriptors Ray's log monitor tails, whatever sys.stdout is now
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{marker}\n".encode())
+
+
+@dataclass
+class Job:
+    """One job of the sweep: its index (hydra.job.num), its overrides and its composed config."""
+
+    idx: int
+    overrides: list[str]
+    config: DictConfig
+
+    @property
+    def shown(self) -> str:
+        return " ".join(filter_overrides(self.overrides))
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-    cfg, conf = launcher.config, launcher.conf
+    """One JobReturn per job, in the order of `job_overrides`; a failed job's return value is a
+    TrialError (raised at once with fail_fast). Raises PlacementError when a job cannot be placed."""
     setup_globals()
+    assert launcher.config is not None and launcher.hydra_context is not None
+    assert launcher.task_function is not None
+    cfg, conf = launcher.config, launcher.conf
     configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
-    loader = launcher.hydra_context.config_loader
+    check(conf)
+    resources = {k: v for k, v in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial)) if v}
 
-    # 1. Compose and check every trial before anything runs: bad input stops the whole sweep.
-    configs = []
+    # Every job's config is composed before anything runs: a bad override stops the whole sweep.
+    jobs = []
     for i, overrides in enumerate(job_overrides):
         idx = initial_job_idx + i
-        sweep_config = loader.load_sweep_config(cfg, list(overrides))
+        sweep_config = launcher.hydra_context.config_loader.load_sweep_config(cfg, list(overrides))
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{idx}"
             sweep_config.hydra.job.num = idx
-        try:
-            from orchestrate.job import Job
-
-            with contextlib.redirect_stderr(io.StringIO()):
-                Job.prepare(sweep_config, out_dir="unused")
-        except schema.ConfigError as e:
-            print(f"error: trial {idx} ({' '.join(overrides)}): {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        configs.append((idx, list(overrides), sweep_config))
-    Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-
+        jobs.append(Job(idx, list(overrides), sweep_config))
     if conf.dry_run:
-        print_plan(configs, conf, launcher)
-        return [dry_return(c) for _, _, c in configs]
+        print_plan(jobs, conf, resources)
+        return [JobReturn(overrides=j.overrides, cfg=j.config, status=JobStatus.COMPLETED) for j in jobs]
 
-    global OPEN_SWEEP
-    if launcher.sweep is None:
-        launcher.sweep = OPEN_SWEEP = Sweep(launcher)
-    sweep = launcher.sweep
-    done = sweep.parent.finished_trials() if conf.resume else {}
-
-    # 2. Start (or join) Ray, then submit every trial that has not finished before.
+    sweep_dir = Path(str(cfg.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if "ray" not in sys.modules:  # Ray reads the setting when it is imported
+        # Ray's driver folds lines that look alike across workers into "[repeated Nx across
+        # cluster]": the jobs of a sweep print alike lines, and all but one job's would be hidden.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if conf.address and conf.num_cpus is not None:
+        log.warning(f"hydra.launcher.num_cpus={conf.num_cpus} is ignored: it sizes a new local Ray instance, "
+                    f"and hydra.launcher.address={conf.address} joins a running cluster")
     began = time.perf_counter()
     started = ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
     import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
 
     if started:
         log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
-    remote = ray.remote(_run_trial).options(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial,
-                                            max_retries=0)
-    singleton_state = Singleton.get_state()
+    asked = " ".join(f"hydra.launcher.{key}={getattr(conf, key):g}" for key in ("cpus_per_trial", "gpus_per_trial")
+                     if getattr(conf, key)) + ": a trial"
+    ray_cluster.wait_for_placement([resources], "PACK", conf.placement_timeout_s, asked,
+                                   "hydra.launcher.placement_timeout_s")
+
+    log.info(f"Launching {len(jobs)} jobs on Ray ({where(conf)}), each asking for {resources or 'no resources'}; "
+             f"sweep output dir : {sweep_dir}")
+    for job in jobs:
+        log.info(f"\t#{job.idx} : {job.shown}")
+    with OutputBarrier() as barrier:
+        return run(jobs, launcher, barrier)
+
+
+def check(conf) -> None:
+    """Refuse settings Ray would reject deep inside, or wait forever on."""
+    for key in ("cpus_per_trial", "gpus_per_trial", "num_cpus"):
+        value = getattr(conf, key)
+        if value is not None and value < 0:
+            raise ValueError(f"hydra.launcher.{key}={value}: must be 0 or more")
+    if conf.placement_timeout_s <= 0:
+        raise ValueError(f"hydra.launcher.placement_timeout_s={conf.placement_timeout_s}: must be above 0")
+
+
+def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
+    """Submit every job, then take the results as they come; with fail_fast, cancel the rest and
+    raise at the first failure."""
+    import ray
+
+    conf = launcher.conf
+    remote = _remote_run_job()
+    options = dict(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial, max_retries=0)
+    # Shipped once to the object store, not once per job.
+    shared = [ray.put(launcher.hydra_context), ray.put(launcher.task_function)]
+    state = ray.put(Singleton.get_state())
+    # A task's name prefixes its lines on this console: "(#3 pid=4242) ..." is job #3's.
+    pending = {remote.options(name=f"#{job.idx}", **options).remote(*shared, job.config, state, barrier.marker(job.idx)):
+               job for job in jobs}
     returns: dict[int, JobReturn] = {}
-    pending = {}
-    for idx, overrides, sweep_config in configs:
-        trial = Trial(idx, overrides, trial_name(overrides, sweep.command))
-        sweep.trials.append(trial)
-        if trial.name in done:
-            run = done[trial.name]
-            trial.status, trial.run_id = "SKIPPED", run.info.run_id
-            trial.metrics = child_metrics(sweep.parent.client, run)
-            returns[idx] = finished_return(sweep_config, overrides, trial.metrics.get(f"final/{sweep.metric}"))
-            log.info(f"trial {idx} ({trial.name}) finished in an earlier attempt: skipped")
-            continue
-        with open_dict(sweep_config):
-            sweep_config.tracking.uri = sweep.uri
-            sweep_config.tracking.parent_run_id = sweep.parent.run_id
-            sweep_config.tracking.run_name = trial.name
-            sweep_config.tracking.tags[TRIAL_KEY] = trial.name
-        ref = remote.remote(launcher.hydra_context, launcher.task_function, sweep_config, singleton_state)
-        pending[ref] = trial
-
-    # 3. Collect results as they come; with fail_fast, cancel the rest at the first failure.
+    marked: list[int] = []  # jobs whose worker wrote the end of its output
+    began = time.perf_counter()
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        trial = pending.pop(ready[0])
-        try:
-            ret = ray.get(ready[0])
-        except Exception as e:  # the worker died: Ray's own error
-            ret = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(e).splitlines()[0]))
-            ret.error, ret.wall_time_s = str(e).splitlines()[0], 0.0
-        trial.wall_time_s = getattr(ret, "wall_time_s", 0.0)
-        if hasattr(ret, "started_at"):
-            first = ret.started_at - sweep.began
-            sweep.first_trial_started = min(first, sweep.first_trial_started or first)
-        finished = sweep.parent.client.search_runs(
-            [sweep.parent.experiment_id],
-            f"tags.`mlflow.parentRunId` = '{sweep.parent.run_id}' and tags.`{TRIAL_KEY}` = '{trial.name}'",
-            order_by=["attributes.start_time DESC"], max_results=1)
-        if finished:
-            trial.run_id = finished[0].info.run_id
-            trial.metrics = child_metrics(sweep.parent.client, finished[0])
-        if ret.status == JobStatus.FAILED:
-            trial.status, trial.error = "FAILED", getattr(ret, "error", "failed")
-            log.error(f"trial {trial.index} ({trial.name}) failed: {trial.error}")
-            if conf.fail_fast:
-                for ref, other in pending.items():
-                    ray.cancel(ref, force=True)
-                    other.status, other.error = "CANCELLED", "sweep stopped at the first failure (fail_fast)"
-                pending.clear()
-        else:
-            trial.status = "FINISHED"
-        returns[trial.index] = ret
-    results = []
-    for idx, overrides, sweep_config in configs:
-        ret = returns.get(idx)
-        if ret is None:  # cancelled by fail_fast
-            ret = JobReturn(overrides=overrides, cfg=sweep_config, status=JobStatus.FAILED,
-                            _return_value=RuntimeError("cancelled: the sweep stopped at the first failure"))
-        results.append(ret)
-    return results
+        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        job = pending.pop(ref)
+        ret, wrote_marker = collect(ref, job)
+        returns[job.idx] = ret
+        if wrote_marker:
+            marked.append(job.idx)
+        if ret.status == JobStatus.COMPLETED:
+            log.info(f"\t#{job.idx} : {job.shown} COMPLETED after {time.perf_counter() - began:.1f} s")
+            continue
+        log.error(f"\t#{job.idx} : {job.shown} FAILED: {ret._return_value}")
+        if conf.fail_fast:
+            for other_ref, other in pending.items():
+                ray.cancel(other_ref, force=True)
+                log.warning(f"\t#{other.idx} : {other.shown} CANCELLED (hydra.launcher.fail_fast=true)")
+            barrier.wait(marked)
+            raise ret._return_value
+    barrier.wait(marked)
+    return [returns[job.idx] for job in jobs]
 
 
-def finished_return(sweep_config, overrides, value) -> JobReturn:
-    return JobReturn(overrides=overrides, cfg=sweep_config, hydra_cfg=None, status=JobStatus.COMPLETED,
-                     _return_value=value)
+@functools.cache
+def _remote_run_job():
+    """`_run_job` as a Ray remote function, made once: Ray exports a function each time one is
+    made (and warns past 100), and an Optuna sweep launches once per batch."""
+    import ray
+
+    return ray.remote(_run_job)
 
 
-def dry_return(sweep_config) -> JobReturn:
-    return JobReturn(overrides=list(sweep_config.hydra.overrides.task), cfg=sweep_config,
-                     status=JobStatus.COMPLETED, _return_value=0.0)
+def collect(ref, job: Job) -> tuple[JobReturn, bool]:
+    """The job's JobReturn, or a FAILED one when Ray itself failed (the worker died, the result
+    could not be serialized); and whether the worker got to mark the end of the job's output."""
+    import ray
+
+    try:
+        return ray.get(ref), True
+    except ray.exceptions.RayTaskError as e:  # raised in _run_job, around the job: its finally ran
+        cause = e.cause if e.cause is not None else e
+        error, marked = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True
+    except ray.exceptions.RayError as e:  # the worker died
+        error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), False
+    return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked
 
 
-def print_plan(configs, conf, launcher) -> None:
-    command = list(launcher.config.hydra.overrides.task)
-    where = conf.address or f"a local Ray instance ({conf.num_cpus or 'all'} CPUs)"
-    print(f"plan: {len(configs)} trial(s) on {where}, each asking for {conf.cpus_per_trial} CPU and "
-          f"{conf.gpus_per_trial} GPU; nothing is run (dry run)")
-    for idx, overrides, c in configs:
-        print(f"  trial {idx}: {trial_name(overrides, command)}  [backend={c.backend.name}, "
-              f"steps={c.trainer.max_steps}, batch={c.trainer.batch_size}]")
+def where(conf) -> str:
+    """Where the jobs run (or would): "local, 2 CPUs in all", "auto, 64 CPUs in all", "local, all CPUs"."""
+    place = conf.address or os.environ.get("RAY_ADDRESS") or "local"
+    ray = sys.modules.get("ray")  # a dry run imports no Ray
+    if ray is not None and ray.is_initialized():
+        return f"{place}, {ray.cluster_resources().get('CPU', 0):g} CPUs in all"
+    if place == "local":
+        return f"local, {'all' if conf.num_cpus is None else conf.num_cpus} CPUs"
+    return place
+
+
+def print_plan(jobs: list[Job], conf, resources: dict) -> None:
+    print(f"plan: {len(jobs)} trial(s) on Ray ({where(conf)}), each asking for {resources or 'no resources'}"
+          f"{', fail fast' if conf.fail_fast else ''}; dry run: nothing is run")
+    for job in jobs:
+        print(f"\t#{job.idx} : {job.shown}")
+    sys.stdout.flush()
+
+
+class OutputBarrier:
+    """Makes the launcher return only once every job's printed output has reached this console.
+
+    Ray ships what jobs print to the driver asynchronously (a log monitor tails each worker's
+    stdout and stderr files and publishes new lines; a thread here prints them), so without this
+    the last lines of a sweep's jobs arrive after the launcher has returned, e.g. after a summary
+    printed by an `on_multirun_end` callback. Each job writes a marker line last on its stdout and
+    stderr (`_write_end_marker`); each file's lines arrive in order, so once both markers of every
+    finished job have come through, all of their output has been printed. The markers themselves
+    are taken out before Ray prints the lines. Output stays live: nothing is held back."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex  # this launch's markers, not an earlier one's
+        self.seen: collections.Counter = collections.Counter()
+        self.changed = threading.Condition()
+        self.release: Optional[Callable[[], None]] = None
+
+    def __enter__(self) -> "OutputBarrier":
+        self.release = _tap_ray_output(self._take_markers, self._saw)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.release is not None:
+            self.release()
+
+    def marker(self, idx: int) -> Optional[str]:
+        """The marker job `idx` writes last; None when this driver prints no worker output."""
+        return f"{END_OF_OUTPUT}{self.token}:{idx}" if self.release is not None else None
+
+    def _take_markers(self, lines: list[str]) -> tuple[list[str], list[str]]:
+        """(the lines without markers, the markers found). A job whose last line had no newline
+        gets the marker at the end of that line: the text before it is kept."""
+        kept, found = [], []
+        for line in lines:
+            at = line.find(END_OF_OUTPUT)
+            if at < 0:
+                kept.append(line)
+                continue
+            found.append(line[at:].strip())
+            if line[:at]:
+                kept.append(line[:at])
+        return kept, found
+
+    def _saw(self, markers: list[str]) -> None:
+        with self.changed:
+            self.seen.update(markers)
+            self.changed.notify_all()
+
+    def wait(self, indices: list[int]) -> None:
+        """Wait (at most OUTPUT_WAIT_S) until jobs `indices` have both markers through."""
+        if self.release is None or not indices:
+            return
+        wanted = [self.marker(i) for i in indices]
+        with self.changed:
+            done = self.changed.wait_for(lambda: all(self.seen[m] >= 2 for m in wanted), timeout=OUTPUT_WAIT_S)
+            late = [i for i, m in zip(indices, wanted) if self.seen[m] < 2]
+        if not done:
+            log.warning(f"the last output of job(s) {', '.join(f'#{i}' for i in late)} has not reached this console "
+                        f"after {OUTPUT_WAIT_S:g} s; it may follow")
+
+
+def _tap_ray_output(take_markers: Callable[[list[str]], tuple[list[str], list[str]]],
+                    saw: Callable[[list[str]], None]) -> Optional[Callable[[], None]]:
+    """Ray 2.60 internals, kept to this function: Ray offers no public hook on the worker output
+    it prints on the driver. Its print thread hands each batch of lines (a dict: "lines", "pid",
+    "is_err", ...) to the handlers of `ray._private.ray_logging.global_worker_stdstream_dispatcher`;
+    the one named "ray_print_logs" prints them (through its log deduplicator). That handler is
+    wrapped: markers are taken out of a batch before it is printed, and reported once it has been.
+    Returns the function that puts the handler back (printing what the deduplicator still holds,
+    as `ray.shutdown()` would), or None when there is nothing to tap (this driver prints no
+    worker output, or Ray's internals have changed: then the launcher does not wait)."""
+    try:
+        from ray._private import ray_logging
+
+        dispatcher = ray_logging.global_worker_stdstream_dispatcher
+        with dispatcher._lock:
+            printer = dict(dispatcher.handlers).get("ray_print_logs")
+            if printer is None:
+                return None
+
+            def print_batch(data: dict[str, Any]) -> None:
+                data["lines"], found = take_markers(data.get("lines") or [])
+                printer(data)
+                if found:
+                    saw(found)
+
+            dispatcher.handlers = [(n, print_batch if n == "ray_print_logs" else h) for n, h in dispatcher.handlers]
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+    def release() -> None:
+        with dispatcher._lock:
+            dispatcher.handlers = [(n, printer if h is print_batch else h) for n, h in dispatcher.handlers]
+            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+                for held in dedup.flush():
+                    printer(held)
+
+    return release
 
 
 def close_open_sweep() -> None:
-    """Called once the sweeper is done (or has raised): summary printed, parent run closed,
-    the sweep's MLflow server stopped."""
-    global OPEN_SWEEP
-    if OPEN_SWEEP is None:
-        return
-    sweep, OPEN_SWEEP = OPEN_SWEEP, None
-    table = sweep.close()
-    wall = time.time() - sweep.began
-    ran = [t for t in sweep.trials if t.status in ("FINISHED", "FAILED")]
-    timing = (f"{len(ran)} trial(s) ran in {wall:.1f} s of wall time, {sum(t.wall_time_s for t in ran):.1f} s "
-              f"summed over trials; the first started {sweep.first_trial_started or 0:.1f} s after the sweep began")
-    print(f"\nsweep summary (MLflow parent run {sweep.parent.run_id}, experiment "
-          f"'{sweep.experiment}'):\n{table}\n{timing}\nopen the UI with   {ui_command(sweep.direct_uri)}", flush=True)
+    """No-op kept while orchestrate/__main__.py still calls it; goes away once the sweep's MLflow
+    work lives in the orchestrate.sweeps callbacks."""

@@ -91,8 +91,8 @@ def resume_state(config: dict) -> dict | None:
             path = Path(folder) / CHECKPOINT_FILE
             if path.exists():
                 return load_torch(path.read_bytes())
-    if config["resume"] is not None:
-        return load_torch(ray.get(config["resume"]))
+    if config["resume"] is not None:  # trainer.resume's checkpoint, loaded by the driver
+        return ray.get(config["resume"])
     return None
 
 
