@@ -109,6 +109,8 @@ def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, ti
     wanted = [bundle for bundle in wanted if bundle]
     if not wanted:
         return
+    # What the cluster has, read before the reservation below takes (and gives back) its share.
+    total, free = ray.cluster_resources(), ray.available_resources()
     if not can_grow() and not _could_ever_hold(wanted, ray.nodes()):
         timeout_s = 0  # waiting cannot help: say so now
     # Reserving a placement group is how Ray answers "could this be scheduled now?" for any
@@ -121,7 +123,6 @@ def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, ti
     if ready:
         return
     keys = sorted({k for bundle in wanted for k in bundle})
-    total, free = ray.cluster_resources(), ray.available_resources()
     if len(wanted) == 1:
         what = str(wanted[0])
     elif all(bundle == wanted[0] for bundle in wanted):
