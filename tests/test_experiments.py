@@ -15,6 +15,7 @@ def test_experiments_are_global_package_files():
         assert (ROOT / "experiments" / f"{name}.yaml").read_text().startswith("# @package _global_")
 
 
+@pytest.mark.slow  # most experiments train through ORTModule (the default backend)
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_a_few_steps(name, tmp_path):
     cfg = app.load_config([f"+experiment={name}", "trainer.max_steps=4", "trainer.display_loss_steps=2",
