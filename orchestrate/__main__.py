@@ -2,11 +2,14 @@
 
 Bad input (an unknown key or choice, a wrong type, an impossible combination) is caught here by
 composing the config and building its objects once, before Hydra creates an output folder or a
-run is opened in MLflow: one plain message, exit code 2.
+run is opened in MLflow: one plain message, exit code 2. A sweep (`-m`, `+sweep`) is checked the
+same way, every trial of it, before any runs, whatever the launcher; and its MLflow bookkeeping
+(orchestrate.sweeps.callbacks) is closed here even when the sweeper raised.
 """
 
 import contextlib
 import io
+import os
 import sys
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -68,17 +71,60 @@ def allowed_keys(parent: str) -> str:
         return ""
 
 
-def validate(overrides: list[str]) -> None:
-    """Compose and build the single-run config once; exit 2 with one message if it is wrong."""
+COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException,
+                      OmegaConfBaseException)
+
+
+def validate(overrides: list[str], trial: str = "") -> None:
+    """Compose and build one run's config once; exit 2 with one message if it is wrong. `trial`
+    prefixes the message of a config that composes but is refused (which trial of a sweep)."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
             app.check(app.load_config(overrides))
     except schema.ConfigError as e:
-        fail(str(e))
-    except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
+        fail(f"{trial}{e}")
+    except COMPOSITION_ERRORS as e:
         fail(explain(e, overrides))
+
+
+def validate_sweep(flags: list[str], overrides: list[str]) -> None:
+    """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
+    expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
+    ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
+    from orchestrate.sweeps import plan
+
+    hydra_overrides = [f for f in flags if f.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        cfg = plan.multirun_config(app.CONF_DIR, [*hydra_overrides, *overrides])
+        trials = plan.trials(cfg)
+    except COMPOSITION_ERRORS as e:
+        fail(explain(e, overrides))
+    check_trial_resources(cfg.hydra.launcher)
+    for index, trial in enumerate(trials):
+        validate([o for o in trial if not o.lstrip("+~").startswith(("hydra.", "hydra/"))],
+                 trial=f"trial {index} ({' '.join(trial)}): ")
+
+
+def check_trial_resources(launcher) -> None:
+    """orchestrate's Ray launcher on a new local Ray: a trial that asks for more CPUs or GPUs than
+    this machine has could never start (the launcher would say so only once Ray is up)."""
+    if not str(launcher.get("_target_", "")).endswith("OrchestrateRayLauncher"):
+        return
+    if launcher.address or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster: the launcher waits placement_timeout_s for room, which may come
+    cpus = launcher.num_cpus if launcher.num_cpus is not None else os.cpu_count()
+    if launcher.cpus_per_trial > cpus:
+        fail(f"hydra.launcher.cpus_per_trial={launcher.cpus_per_trial:g}: a trial asks for more CPUs than the local "
+             f"Ray instance has ({cpus:g}); allowed: 0 to {cpus:g}, or hydra.launcher.address of a larger cluster")
+    if launcher.gpus_per_trial:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if launcher.gpus_per_trial > gpus:
+            fail(f"hydra.launcher.gpus_per_trial={launcher.gpus_per_trial:g}: this machine has {gpus} GPU(s); "
+                 "allowed: 0, or hydra.launcher.address of a cluster with GPUs")
 
 
 def fail(message: str) -> None:
@@ -120,16 +166,21 @@ def main() -> None:
     argv = rewrite_sweep_words(sys.argv[1:])
     flags, overrides = split_args(argv)
     multirun = any(f in MULTIRUN_FLAGS for f in flags)
-    if not multirun and not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
-        validate(overrides)
+    if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
+        if multirun:
+            validate_sweep(flags, overrides)
+        else:
+            validate(overrides)
     sys.argv = [sys.argv[0], *argv]
     try:
         app.hydra_main()
     finally:
         if multirun:
-            from orchestrate.launch import _core
+            # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
+            # trial makes it raise. The summary, the parent run and the server are closed here.
+            from orchestrate.sweeps.callbacks import close_open_sweeps
 
-            _core.close_open_sweep()
+            close_open_sweeps()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     """Train once as `cfg` says; the MLflow run holds everything the run produced. The process
     is left as it was found (thread counts, environment: orchestrate.process)."""
     job = Job.prepare(cfg, out_dir)  # ConfigError here: nothing has been written anywhere yet
+    in_sweep = handed_over_run() is not None  # a sweep's trial (MLflow's end_run takes the variable back)
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
             "data": cfg.data._target_, "config_key": config_key(cfg)}
@@ -106,11 +107,11 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                                     title=choices)
             tracker.log_artifact(png)
     result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
-    print_summary(cfg, job, result)
+    print_summary(cfg, job, result, in_sweep)
     return result
 
 
-def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
+def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> None:
     m = result.metrics
     lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"]
     for key, label in [("train_loss", "final train loss"), ("eval_loss", "eval loss"),
@@ -120,7 +121,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result) -> None:
             lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
     lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}')",
               f"  outputs            {result.out_dir}"]
-    if handed_over_run() is None:  # a sweep's trial: the sweep's summary says where to look
+    if not in_sweep:  # a sweep's trial: the sweep's summary says where to look
         lines.append(f"  open the UI with   {ui_command(cfg.tracking.uri)}")
     print("\n".join(lines), flush=True)
 

@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrate import app
-from orchestrate.launch.sweep_runs import TrackingServer
+from orchestrate.sweeps._server import TrackingServer
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = sorted(p.stem for p in (ROOT / "conf" / "backend").glob("*.yaml"))

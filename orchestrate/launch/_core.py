@@ -347,8 +347,3 @@ def _tap_ray_output(take_markers: Callable[[list[str]], tuple[list[str], list[st
                     printer(held)
 
     return release
-
-
-def close_open_sweep() -> None:
-    """No-op kept while orchestrate/__main__.py still calls it; goes away once the sweep's MLflow
-    work lives in the orchestrate.sweeps callbacks."""

@@ -1,7 +1,9 @@
-"""Sweeps end to end: `python -m orchestrate ... +sweep` as a subprocess, on a real local Ray
-instance, tracked by the real MLflow server the sweep starts in front of its SQLite store. Results
-are read back with MlflowClient."""
+"""Sweeps end to end: `python -m orchestrate ... -m` (or `+sweep`) as a subprocess, tracked by the
+sweep callbacks (orchestrate.sweeps) through the MLflow server they start in front of the SQLite
+store; on orchestrate's Ray launcher (the default), Hydra's basic launcher and submitit's local
+launcher. Results are read back with MlflowClient."""
 
+import json
 import os
 import re
 import subprocess
@@ -14,12 +16,27 @@ from tests.conftest import ROOT, metric_steps
 
 pytestmark = pytest.mark.slow
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
+SMALL = ["-m", "backend=torch", "optimizer.lr=0.001,0.01", *QUICK]
+LAUNCHERS = ["orchestrate_ray", "basic", "submitit_local"]
+# Run as `python -c IN_PROCESS args...`: the sweep as `python -m orchestrate args...` runs it, then
+# the names of the environment variables it left changed, on stderr. With Hydra's basic launcher
+# every trial runs in this process. (Importing mlflow sets its telemetry session id: not a sweep's.)
+IN_PROCESS = """
+import json, os, sys
+import mlflow
+from orchestrate.__main__ import main
+before = dict(os.environ)
+main()
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print("environment changed: " + json.dumps(changed), file=sys.stderr)
+"""
 
 
-def sweep(*args: str, cwd) -> subprocess.CompletedProcess:
+def sweep(*args: str, cwd, in_process: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "orchestrate", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+    command = ["-c", IN_PROCESS] if in_process else ["-m", "orchestrate"]
+    return subprocess.run([sys.executable, *command, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
 
 
 def runs_of(cwd, experiment: str = "orchestrate"):
@@ -31,12 +48,82 @@ def runs_of(cwd, experiment: str = "orchestrate"):
     return client, parents, children
 
 
+# ---- the same small sweep on every launcher ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_sweep(tmp_path_factory):
+    """SMALL on a launcher, each in its own folder, run once when a test first asks for it."""
+    done = {}
+
+    def on(launcher: str):
+        if launcher not in done:
+            cwd = tmp_path_factory.mktemp(launcher)
+            done[launcher] = cwd, sweep(*SMALL, f"hydra/launcher={launcher}", cwd=cwd, in_process=launcher == "basic")
+        return done[launcher]
+
+    return on
+
+
+def structure(cwd) -> dict:
+    """What a sweep left in MLflow, less what differs from run to run (ids, times)."""
+    client, (parent,), children = runs_of(cwd)
+    return {
+        "parent": (parent.info.run_name, parent.info.status,
+                   sorted(a.path for a in client.list_artifacts(parent.info.run_id))),
+        "children": {c.info.run_name: (c.info.status, c.data.tags["mlflow.parentRunId"] == parent.info.run_id,
+                                       c.data.tags["orchestrate.trial_index"]) for c in children},
+        "params": {c.info.run_name: c.data.params for c in children},
+        "final train loss": {c.info.run_name: c.data.metrics["final/train_loss"] for c in children},
+    }
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_sweep):
+    cwd, done = small_sweep(launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = structure(cwd)
+    assert got["parent"] == ("sweep-none", "FINISHED", ["summary.md", "sweep.json", "trials_loss_curves.png"])
+    assert got["children"] == {"optimizer.lr=0.001": ("FINISHED", True, "0"),
+                               "optimizer.lr=0.01": ("FINISHED", True, "1")}
+    assert got["params"]["optimizer.lr=0.01"]["optimizer.lr"] == "0.01"
+    reference = structure(small_sweep("basic")[0])
+    assert got["params"] == reference["params"]
+    assert got["final train loss"] == pytest.approx(reference["final train loss"], rel=1e-5)  # same seed
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
+    _, done = small_sweep(launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    summary = out.index("\nsweep summary (MLflow parent run ")
+    trial_lines = [m.start() for m in re.finditer(r"backend torch: 20 steps", out)]
+    # submitit writes each trial's output to its own log file; the other launchers to this console.
+    assert len(trial_lines) == (0 if launcher == "submitit_local" else 2)
+    assert all(at < summary for at in trial_lines)
+    assert "| optimizer.lr=0.01 | FINISHED |" in out[summary:]
+    assert out.rstrip().splitlines()[-1] == ("open the UI with   mlflow ui --backend-store-uri sqlite:///mlflow.db "
+                                             "--host 127.0.0.1 --port 5000")
+    # Only the summary says where to look, and never at the sweep's own server (gone by then).
+    assert out.count("open the UI with") == 1 and "View run" not in out
+
+
+def test_an_in_process_sweep_leaves_the_environment_as_it_was(small_sweep):
+    _, done = small_sweep("basic")
+    assert done.returncode == 0, done.stderr[-3000:]
+    changed = json.loads(re.search(r"environment changed: (.*)", done.stderr).group(1))
+    assert changed == []  # MLFLOW_RUN_ID, MLFLOW_TRACKING_URI, ... were the trials' only
+
+
+# ---- sweeps on orchestrate's Ray launcher (the default) -----------------------------------------
+
 def test_bare_sweep_command_runs_the_default_grid_with_nested_runs(tmp_path):
     done = sweep("backend=ortmodule", "+sweep", *QUICK, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     client, (parent,), children = runs_of(tmp_path)
     assert parent.info.status == "FINISHED"
-    assert sorted(c.info.run_name for c in children) == ["optimizer.lr=0.001", "optimizer.lr=0.003", "optimizer.lr=0.01"]
+    assert sorted(c.info.run_name for c in children) == ["optimizer.lr=0.001", "optimizer.lr=0.003",
+                                                          "optimizer.lr=0.01"]
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.tags["backend"] == "ortmodule"
@@ -54,9 +141,16 @@ def test_backend_shootout_grid_over_three_backends(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     client, (parent,), children = runs_of(tmp_path, "backend_shootout")
     assert sorted(c.data.tags["backend"] for c in children) == ["ondevice", "ortmodule", "torch"]
-    # Same model, data and seed: the backends agree on the final loss.
+    # Same model, data and seed: the backends agree on the final loss...
     finals = [c.data.metrics["final/train_loss"] for c in children]
     assert max(finals) - min(finals) < 1e-3 * max(finals)
+    # ...so the summary calls it a tie and tells them apart by speed.
+    assert re.search(r"tie: trials 0, 1, 2 reach eval_loss [0-9.]+ within 0\.1%; fastest to it: trial \d "
+                     r"\(backend=\w+, [0-9.]+ s\); highest throughput: trial \d \([0-9,]+ samples/s\)", done.stdout)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| FINISHED |" in line]
+    assert len(rows) == 3
+    for row in rows:  # time to the target, samples/s, step time: filled for every trial
+        assert all(cell.strip() for cell in row.split("|")[6:9]), row
 
 
 def test_optuna_sweep(tmp_path):
@@ -110,6 +204,19 @@ def test_rerunning_the_same_sweep_skips_finished_trials(failed_sweep):
     assert finished_before <= {c.info.run_id for c in finished}
     assert sorted(c.info.run_name for c in finished) == ["+model.fail_at_call=1000000000", "+model.fail_at_call=5"]
     assert "| +model.fail_at_call=1000000000 | SKIPPED |" in done.stdout
+    assert "finished in an earlier attempt: skipped" in done.stdout
+
+
+def test_resume_false_starts_a_new_parent(failed_sweep):
+    cwd, marker, args, _ = failed_sweep
+    marker.unlink(missing_ok=True)  # every trial finishes
+    _, parents_before, children_before = runs_of(cwd)
+    done = sweep(*args, "hydra.callbacks.sweep_tracking.resume=false", "hydra/launcher=basic", cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, parents, children = runs_of(cwd)
+    (new,) = [p for p in parents if p.info.run_id not in {p.info.run_id for p in parents_before}]
+    mine = [c for c in children if c.data.tags["mlflow.parentRunId"] == new.info.run_id]
+    assert sorted(c.info.status for c in mine) == ["FINISHED", "FINISHED"] and "SKIPPED" not in done.stdout
 
 
 def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
@@ -118,9 +225,11 @@ def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
                  "+model.fail_at_call=5,1000000000,1000000001", "hydra.launcher.fail_fast=true",
                  "hydra.launcher.cpus_per_trial=2", "hydra.launcher.num_cpus=2", *QUICK, cwd=tmp_path)
     assert done.returncode != 0
-    assert "CANCELLED" in done.stdout
-    _, _, children = runs_of(tmp_path)
+    assert "| CANCELLED |" in done.stdout
+    _, (parent,), children = runs_of(tmp_path)
     assert sum(c.info.status == "FINISHED" for c in children) < 2
+    assert parent.info.status == "FAILED"
+    assert "RUNNING" not in {c.info.status for c in children}  # the sweep closed what it stopped
 
 
 def test_eight_concurrent_trials_lose_no_metric(tmp_path):
@@ -144,18 +253,11 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert "plan: 3 trial(s)" in done.stdout
     for backend in ("torch", "ortmodule", "ondevice"):
         assert f"backend={backend}" in done.stdout
-    assert not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "mlflow.db").exists() and "sweep summary" not in done.stdout
 
 
-def test_a_bad_trial_stops_the_sweep_before_anything_runs(tmp_path):
-    done = sweep("-m", "trainer.max_steps=0,10", *QUICK[:2], cwd=tmp_path)
-    assert done.returncode == 2
-    assert "error: trial 0 (trainer.max_steps=0" in done.stderr and "must be at least 1" in done.stderr
-    assert not (tmp_path / "mlflow.db").exists()
-
-
-def test_a_local_sweep_keeps_ray_on_loopback(tmp_path):
-    done = sweep("-m", "optimizer.lr=0.001", *QUICK, cwd=tmp_path)
+def test_a_local_sweep_keeps_ray_on_loopback(small_sweep):
+    _, done = small_sweep("orchestrate_ray")
     assert done.returncode == 0, done.stderr[-3000:]
     ready = next(line for line in (done.stdout + done.stderr).splitlines() if "Ray ready" in line)
     assert "'node:127.0.0.1'" in ready

@@ -1,0 +1,221 @@
+"""The MLflow side of a sweep, imported lazily by `orchestrate.sweeps.callbacks`: the parent run
+and the summary on it (`Sweep`, in the launching process), and each trial's nested child run
+(`open_trial` and `close_trial`, wherever the launcher runs the job)."""
+
+import contextlib
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrate import plots
+from orchestrate.sweeps import _summary, plan
+from orchestrate.sweeps.callbacks import NO_URLS, Handover, set_env
+from orchestrate.tracking import absolute_uri, ui_command
+
+log = logging.getLogger(__name__)
+SWEEP_KEY = "orchestrate.sweep_key"
+TRIAL_KEY = "orchestrate.trial"
+INDEX_KEY = "orchestrate.trial_index"
+PARENT_KEY = "mlflow.parentRunId"
+
+
+def trial_name(overrides: list[str], fixed: list[str]) -> str:
+    """What tells a trial apart: its overrides that the command line did not fix for every trial."""
+    own = [o for o in overrides if o not in fixed]
+    return ",".join(own) or "(defaults)"
+
+
+def fixed_overrides(command: list[str]) -> list[str]:
+    """The command line's overrides as typed and as a sweeper writes them into each trial's
+    overrides (`key=value` with the value re-escaped: `tracking.uri=sqlite\\:///x.db`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(command)
+    return [*command, *(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in parsed
+                        if not o.is_sweep_override())]
+
+
+def sweep_key(command_overrides: list[str], sweeper: dict) -> str:
+    """Same command, same sweep definition: same key, hence the same parent run on a re-run. The
+    launcher is not part of it: a sweep started on Ray can be finished with another launcher."""
+    text = json.dumps({"overrides": sorted(command_overrides), "sweeper": sweeper}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def open_trial(handover: Handover, config: DictConfig) -> str:
+    """The run a job logs into: a new child of the parent, or (resuming) the trial's FINISHED
+    child from an earlier attempt, which the app then skips."""
+    name = trial_name(list(config.hydra.overrides.task), handover.command)
+    if name in handover.finished:
+        return handover.finished[name]
+    run = MlflowClient(tracking_uri=handover.uri).create_run(
+        handover.experiment_id, run_name=name,
+        tags={PARENT_KEY: handover.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
+              "orchestrate.role": "trial"})
+    return run.info.run_id
+
+
+def close_trial(uri: str, run_id: str, failed: BaseException | None) -> None:
+    """A job that ended without closing its run (it failed before the app opened its tracker, e.g.
+    a rejected config) leaves it RUNNING: close it as the job ended, with the error in `error`."""
+    client = MlflowClient(tracking_uri=uri)
+    if client.get_run(run_id).info.status != "RUNNING":
+        return
+    if failed is not None:
+        client.set_tag(run_id, "error", f"{type(failed).__name__}: {failed}"[:5000])
+    client.set_terminated(run_id, "FAILED" if failed is not None else "FINISHED")
+
+
+class Sweep:
+    """One sweep in the launching process: the tracking server (SQLite stores), the parent run
+    (found again by the sweep's key when resuming), and at the end the summary."""
+
+    def __init__(self, settings, config: DictConfig):
+        self.settings = settings
+        self.began = time.time()
+        self.server = None
+        uri = absolute_uri(settings.tracking_uri)
+        if uri.startswith("sqlite:") and settings.tracking_server:
+            if str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
+                # Its trials run on other machines: neither this machine's 127.0.0.1 nor its disk is theirs.
+                raise ValueError(f"tracking.uri={settings.tracking_uri}: hydra/launcher=submitit_slurm runs the "
+                                 "trials on the cluster's nodes, which cannot reach this machine's SQLite store "
+                                 "or the sweep's server on 127.0.0.1; set tracking.uri=http://HOST:PORT "
+                                 "(an MLflow server the nodes can reach)")
+            from orchestrate.sweeps._server import TrackingServer, prepare_store
+
+            prepare_store(uri, settings.experiment)
+            began = time.perf_counter()
+            self.server = TrackingServer(uri, Path("mlartifacts").resolve())
+            log.info(f"MLflow server for the sweep on {self.server.uri} "
+                     f"(started in {time.perf_counter() - began:.1f} s)")
+            uri = self.server.uri
+        try:
+            self._open_parent(uri, config)
+        except BaseException:
+            self.stop_server()
+            raise
+
+    def _open_parent(self, uri: str, config: DictConfig) -> None:
+        s = self.settings
+        self.uri, self.client = uri, MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(s.experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(s.experiment)
+        self.command = list(config.hydra.overrides.task)
+        self.fixed = fixed_overrides(self.command)
+        sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
+        key = sweep_key(self.command, sweeper)
+        earlier = self.client.search_runs([self.experiment_id], f"tags.`{SWEEP_KEY}` = '{key}'",
+                                          order_by=["attributes.start_time DESC"], max_results=1) if s.resume else []
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=f"sweep-{s.name}",
+                                                 tags={SWEEP_KEY: key, "orchestrate.role": "sweep"}).info.run_id
+            definition = {"name": s.name, "command": self.command, "sweeper": sweeper,
+                          "params": {**(sweeper.get("params") or {}), "metric": s.metric}}
+            for k, v in list(definition["params"].items())[:100]:
+                self.client.log_param(self.run_id, f"sweep.{k}", str(v)[:6000])
+            self.client.log_text(self.run_id, json.dumps(definition, indent=2, default=str), "sweep.json")
+        children = self.children()
+        self.earlier_runs = {c.info.run_id for c in children}
+        self.finished = {c.data.tags[TRIAL_KEY]: c.info.run_id
+                         for c in sorted(children, key=lambda c: c.info.start_time)
+                         if c.info.status == "FINISHED" and TRIAL_KEY in c.data.tags}
+        # A grid's trials are known now: the summary lists the ones the sweep never reached.
+        self.planned = plan.trials(config) if plan.is_grid(config) else []
+
+    def handover(self) -> Handover:
+        return Handover(uri=self.uri, experiment_id=self.experiment_id, parent_run_id=self.run_id,
+                        command=self.fixed, finished=dict(self.finished), own_server=self.server is not None)
+
+    def children(self) -> list:
+        return self.client.search_runs([self.experiment_id], f"tags.`{PARENT_KEY}` = '{self.run_id}'",
+                                       max_results=5000)
+
+    def rows(self) -> list[_summary.Row]:
+        """The latest attempt at each trial, as this sweep left it."""
+        metric_key = _summary.history_key(self.settings.metric)
+        latest = {}
+        for run in sorted(self.children(), key=lambda r: r.info.start_time):
+            latest[run.data.tags.get(TRIAL_KEY, run.info.run_name)] = run
+        rows = []
+        for name, run in latest.items():
+            status, error = run.info.status, run.data.tags.get("error", "")
+            if run.info.run_id in self.earlier_runs:  # not run by this attempt
+                status, error = ("SKIPPED", "") if status == "FINISHED" else (
+                    "CANCELLED", "not run: the sweep stopped before it")
+            elif status == "RUNNING":  # its job was cancelled (fail_fast) or killed: it will never finish
+                error = "stopped before it finished"
+                self.client.set_tag(run.info.run_id, "error", error)
+                with self.quiet():
+                    self.client.set_terminated(run.info.run_id, "KILLED")
+                run = self.client.get_run(run.info.run_id)
+                status = "CANCELLED"
+            curve = self.client.get_metric_history(run.info.run_id, metric_key)
+            rows.append(_summary.Row(
+                index=int(run.data.tags.get(INDEX_KEY, -1)), name=name, status=status, run_id=run.info.run_id,
+                start_ms=run.info.start_time, end_ms=run.info.end_time, metrics=dict(run.data.metrics),
+                curve=[(m.timestamp, m.value) for m in curve], error=error))
+        for index, overrides in enumerate(self.planned):
+            name = trial_name(overrides, self.fixed)
+            if name not in latest:
+                rows.append(_summary.Row(index=index, name=name, status="CANCELLED",
+                                         error="not run: the sweep stopped before it"))
+        return sorted(rows, key=lambda r: r.index)
+
+    def close(self) -> None:
+        """Summary table and loss-curve chart on the parent, the parent closed, the server stopped,
+        and the summary printed: the last thing a sweep prints."""
+        try:
+            rows = self.rows()
+            text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance)
+            self.client.log_text(self.run_id, text, "summary.md")
+            self.log_chart(rows)
+            failed = [r for r in rows if r.status not in _summary.DONE]
+            self.client.log_metric(self.run_id, "sweep/trials_failed", len(failed))
+            with self.quiet():
+                self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        finally:
+            self.stop_server()
+        ran = [r for r in rows if r.run_id and r.run_id not in self.earlier_runs]
+        timing = (f"{len(ran)} trial(s) ran in {time.time() - self.began:.1f} s of wall time, "
+                  f"{sum(r.wall_time_s or 0 for r in ran):.1f} s summed over trials")
+        if ran:
+            first = min(r.start_ms for r in ran) / 1000 - self.began
+            timing += f"; the first started {first:.1f} s after the sweep began"
+        print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
+              f"{text}\n{timing}\nopen the UI with   {ui_command(self.settings.tracking_uri)}", flush=True)
+
+    def log_chart(self, rows: list[_summary.Row]) -> None:
+        curves = {}
+        for r in rows:
+            if r.run_id:
+                curves[f"#{r.index} {r.name}"] = {
+                    k: [(m.step, m.value) for m in self.client.get_metric_history(r.run_id, k)]
+                    for k in ("train/loss", "eval/loss")}
+        with tempfile.TemporaryDirectory() as tmp:
+            png = plots.loss_curves(curves, Path(tmp) / "trials_loss_curves.png", title="sweep trials")
+            self.client.log_artifact(self.run_id, str(png))
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No "View run at <the sweep's own server>" from MLflow (see callbacks.NO_URLS)."""
+        before = set_env(NO_URLS if self.server is not None else {})
+        try:
+            yield
+        finally:
+            set_env(before)
+
+    def stop_server(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()

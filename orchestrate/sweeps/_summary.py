@@ -1,0 +1,103 @@
+"""The sweep's summary table: one row per trial, read back from its MLflow child run, ranked by
+`sweep.metric`, with the speed columns that tell apart trials that learn equally well.
+
+Time to target: the target is the worst of the finished trials' best values of the metric (for a
+loss, the highest of their lowest losses), so every finished trial reached it; a trial's time is
+from its child run's start to the timestamp of its first point at or past the target (MLflow
+keeps a timestamp with every metric point). Trials whose best values differ by less than the
+tolerance (relative) are a tie, and the verdict says which of them got there first and which ran
+fastest, instead of naming a winner by noise."""
+
+from dataclasses import dataclass, field
+
+DONE = ("FINISHED", "SKIPPED")
+
+
+@dataclass
+class Row:
+    index: int
+    name: str  # the trial's own overrides
+    status: str  # FINISHED, FAILED, KILLED, SKIPPED (finished in an earlier attempt), CANCELLED (stopped by the sweep)
+    run_id: str | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the run's latest value of each metric
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (timestamp ms, value) of the sweep metric
+    error: str = ""
+
+    @property
+    def wall_time_s(self) -> float | None:
+        return (self.end_ms - self.start_ms) / 1000 if self.start_ms and self.end_ms else None
+
+
+def history_key(metric: str) -> str:
+    """`eval_loss` (the name a trial returns) -> `eval/loss` (the curve it logs)."""
+    return metric.replace("_", "/", 1)
+
+
+def lower_is_better(metric: str) -> bool:
+    return "loss" in metric
+
+
+def best(row: Row, metric: str) -> float | None:
+    if row.curve:
+        return (min if lower_is_better(metric) else max)(v for _, v in row.curve)
+    return row.metrics.get(f"final/{metric}")
+
+
+def time_to(row: Row, level: float, metric: str) -> float | None:
+    """Seconds from the run's start to its first point at or past `level`."""
+    lower = lower_is_better(metric)
+    for stamp, value in sorted(row.curve):
+        if (value <= level) if lower else (value >= level):
+            return (stamp - row.start_ms) / 1000 if row.start_ms else None
+    return None
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def table(rows: list[Row], metric: str, tolerance: float) -> str:
+    """Markdown table, then one line: the best trial, or the tie and who was fastest in it."""
+    lower = lower_is_better(metric)
+    bests = {r.index: best(r, metric) for r in rows}
+    reached = [r for r in rows if r.status in DONE and bests[r.index] is not None]
+    target = (max if lower else min)(bests[r.index] for r in reached) if reached else None
+    to_target = f"s to {metric} {'<=' if lower else '>='} {_cell(target, '.4f')}"
+    head = ["trial", "overrides", "status", "final train loss", f"best {metric}", to_target, "samples/s",
+            "step time (ms)", "wall time (s)", "error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: r.index):
+        m = r.metrics
+        cells = [str(r.index), r.name, r.status, _cell(m.get("final/train_loss"), ".4f"), _cell(bests[r.index], ".4f"),
+                 _cell(time_to(r, target, metric) if target is not None else None, ".1f"),
+                 _cell(m.get("final/samples_per_sec"), ",.0f"), _cell(m.get("final/step_time_ms"), ".2f"),
+                 _cell(r.wall_time_s, ".1f"), r.error.replace("\n", " ").replace("|", "/")[:120]]
+        lines.append("| " + " | ".join(cells) + " |")
+    if reached:
+        lines += ["", verdict(reached, bests, metric, tolerance)]
+    return "\n".join(lines)
+
+
+def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance: float) -> str:
+    lower = lower_is_better(metric)
+    top = (min if lower else max)(reached, key=lambda r: bests[r.index])
+    optimum = bests[top.index]
+    tied = sorted((r for r in reached if abs(bests[r.index] - optimum) <= tolerance * abs(optimum)),
+                  key=lambda r: r.index)
+    if len(tied) < 2:
+        return f"best: trial {top.index} ({top.name}), {metric} = {optimum:.4f}"
+    level = (max if lower else min)(bests[r.index] for r in tied)  # a value every tied trial reached
+    text = (f"tie: trials {', '.join(str(r.index) for r in tied)} reach {metric} {level:.4f} "
+            f"within {tolerance * 100:g}%")
+    timed = [(t, r) for r in tied if (t := time_to(r, level, metric)) is not None]
+    if timed:
+        seconds, fastest = min(timed, key=lambda p: p[0])
+        text += f"; fastest to it: trial {fastest.index} ({fastest.name}, {seconds:.1f} s)"
+    rates = [r for r in tied if r.metrics.get("final/samples_per_sec") is not None]
+    if rates:
+        quick = max(rates, key=lambda r: r.metrics["final/samples_per_sec"])
+        text += (f"; highest throughput: trial {quick.index} "
+                 f"({quick.metrics['final/samples_per_sec']:,.0f} samples/s)")
+    return text

@@ -1,0 +1,164 @@
+"""orchestrate's MLflow bookkeeping of a sweep as a Hydra callback, so that it works with any
+launcher (orchestrate's Ray launcher, Hydra's basic launcher, submitit, ...). conf/config.yaml turns
+it on under `hydra.callbacks.sweep_tracking`; a single run is not touched by it.
+
+Where each hook runs (hydra/_internal/hydra.py `multirun()`, hydra/core/utils.py `run_job()`):
+- `on_multirun_start`, in the launching process before the sweeper starts: start the MLflow server
+  in front of a SQLite store, open the parent run (or find it again by the sweep's key), and keep
+  what every job needs in `self.handover`.
+- `on_job_start` / `on_job_end`, where the job runs: in the launching process (basic launcher), a
+  Ray worker (orchestrate's launcher) or a subprocess (submitit). Launchers hand `run_job` the
+  HydraContext that holds this object, pickled for a remote job, so `self.handover` travels with it.
+  The job's child run reaches the app through MLflow's own variables `MLFLOW_RUN_ID` and
+  `MLFLOW_TRACKING_URI` (see orchestrate.tracking.Tracker), set for the job and taken back after it.
+- `on_multirun_end`, in the launching process: the summary, the parent closed, the server stopped.
+  Hydra skips it when the sweeper raises (a failed trial makes Hydra's sweepers raise), so each
+  open sweep is also in `_OPEN`, which `close_open_sweeps()` (called by orchestrate/__main__.py in
+  a `finally`, and at exit) closes; closing twice does nothing.
+
+This module stays light (Hydra instantiates it for every run, single runs included); the MLflow
+work is in `_runs`, `_summary` and `_server`, imported when a sweep needs them.
+"""
+
+import atexit
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+_OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
+# MLflow prints "View run ... at: <server URL>" whenever a run on an HTTP store ends: with the
+# sweep's own server that address is dead once the sweep is over. The summary names the real store.
+NO_URLS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
+@dataclass
+class Handover:
+    """What a job needs to log as a trial of its sweep; pickled with the callback to remote jobs."""
+
+    uri: str  # the store the trials write to (the sweep's server in front of SQLite)
+    experiment_id: str
+    parent_run_id: str
+    command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
+    finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
+    own_server: bool = False  # `uri` is the sweep's own server, gone when the sweep ends
+
+
+@dataclass
+class _Job:
+    """The job running in this process: its run, and what the environment held before it."""
+
+    run_id: str
+    env: dict[str, str | None]
+    mlflow_uri: str | None
+
+
+class SweepTracking(Callback):
+    def __init__(self, tracking_uri: str, experiment: str, metric: str = "eval_loss", name: str = "none",
+                 resume: bool = True, tracking_server: bool = True, tie_tolerance: float = 1e-3) -> None:
+        self.tracking_uri = tracking_uri  # the real store (tracking.uri); trials may write through a server
+        self.experiment = experiment
+        self.metric = metric  # sweep.metric: ranks the trials
+        self.name = name  # sweep.name: names the parent run
+        self.resume = resume  # the same sweep again: same parent run, its FINISHED trials skipped
+        self.tracking_server = tracking_server  # SQLite store: one local `mlflow server` takes every trial's writes
+        self.tie_tolerance = tie_tolerance  # best values closer than this (relative) are a tie
+        self.handover: Handover | None = None  # None: no sweep is tracked (a single run, a dry run)
+        self._job: _Job | None = None
+        self._sweep = None  # _runs.Sweep: the server process and clients stay in the launching process
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sweep": None, "_job": None}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "hydra.launcher.dry_run", default=False):
+            return  # the launcher prints its plan and runs nothing: no store, no run
+        from orchestrate.sweeps import _runs
+
+        try:
+            self._sweep = _runs.Sweep(self, config)
+        except Exception as e:
+            # Hydra would only warn and run every trial untracked, each a top-level run: stop here.
+            raise SystemExit(f"error: the sweep's MLflow tracking could not start: {type(e).__name__}: {e}") from e
+        _OPEN.append(self)
+        self.handover = self._sweep.handover()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.handover is None:
+            return
+        from orchestrate.sweeps import _runs
+        from orchestrate.tracking import ONE_LOGGING_THREAD
+
+        run_id = _runs.open_trial(self.handover, config)
+        mlflow_uri = _mlflow_uri()
+        # ONE_LOGGING_THREAD: many trials' logging threads against one server stay within its pool.
+        before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri, **ONE_LOGGING_THREAD,
+                          **(NO_URLS if self.handover.own_server else {})})
+        self._job = _Job(run_id, before, mlflow_uri)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        job = self._job
+        if job is None:
+            return
+        try:
+            from orchestrate.sweeps import _runs
+
+            failed = job_return._return_value if job_return.status == JobStatus.FAILED else None
+            _runs.close_trial(self.handover.uri, job.run_id, failed)
+        finally:
+            self._restore()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Summary, parent closed, server stopped; a second call does nothing."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        self._restore()  # a job cut short (Ctrl-C in an in-process job) did not reach on_job_end
+        sweep, self._sweep = self._sweep, None
+        if sweep is not None:
+            sweep.close()
+
+    def _restore(self) -> None:
+        """The environment exactly as before the job: the same process (the launching process,
+        a Ray worker) runs the next trial, or goes on after the sweep."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+        if utils is not None:
+            # The app's mlflow.set_tracking_uri() set MLflow's process-wide URI (and the variable):
+            # take it back too (MLflow's own `_use_tracking_uri` restores it the same way).
+            utils.set_tracking_uri(job.mlflow_uri)
+        set_env(job.env)
+
+
+def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set environment variables (None: remove one); returns what they were, for set_env again."""
+    before = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return before
+
+
+def _mlflow_uri() -> str | None:
+    """MLflow's process-wide tracking URI as set (None: unset), read where `_use_tracking_uri` reads it."""
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    return utils._tracking_uri if utils is not None else None
+
+
+def close_open_sweeps() -> None:
+    """Close every sweep this process opened and has not closed (the sweeper raised, or Ctrl-C)."""
+    for sweep in list(_OPEN):
+        sweep.close()
+
+
+atexit.register(close_open_sweeps)  # a sweep run without orchestrate's entry point: its server stops too

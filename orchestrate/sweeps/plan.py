@@ -1,0 +1,59 @@
+"""A sweep's trials, worked out before anything runs: the multirun config composed as Hydra's
+`multirun()` composes it, and its sweep (`hydra.sweeper.params` plus the command line's sweep
+overrides) expanded as Hydra's BasicSweeper expands it. Used by `orchestrate/__main__.py` to check
+every trial's config up front, whatever the launcher, and by the sweep callbacks to list the trials
+a grid sweep never reached."""
+
+import itertools
+
+from omegaconf import DictConfig, OmegaConf
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def multirun_config(config_dir: str, overrides: list[str]) -> DictConfig:
+    """`conf/config.yaml` composed in multirun mode with the `hydra` node (sweep overrides such as
+    `optimizer.lr=1e-3,1e-2` are allowed, as on a `-m` command line)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        return GlobalHydra.instance().hydra.compose_config(config_name="config", overrides=list(overrides),
+                                                           run_mode=RunMode.MULTIRUN, from_shell=True)
+
+
+def trials(cfg: DictConfig) -> list[list[str]]:
+    """Every trial's overrides, in the order (and so with the `hydra.job.num`) BasicSweeper gives
+    them: the config's `hydra.sweeper.params` first, then the command line's overrides, a later
+    override of a key replacing an earlier one. A sweeper that samples (Optuna) gets candidates
+    instead, enough for each value to be in one: each choice, and both ends of an interval
+    (`interval(a, b)`, `tag(log, interval(a, b))`) or a range, between which it samples. Not every
+    combination: a search space's product can be far larger than the trials it will run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    node = OmegaConf.select(cfg, "hydra.sweeper.params")
+    params = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(cfg.hydra.overrides.task)
+    grid = is_grid(cfg)
+    choices: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(lines):
+        key = override.get_key_element()
+        if override.is_interval_sweep() or (override.is_range_sweep() and not grid and not override.value().shuffle):
+            # Optuna draws from [start, end] of an interval and [start, stop] of a range (its `high`).
+            span = override.value()
+            values = [span.start, span.end if override.is_interval_sweep() else span.stop]
+        elif override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [override.get_value_element_as_str()]
+        choices[key] = [f"{key}={v}" for v in values]
+    if grid:
+        return [list(t) for t in itertools.product(*choices.values())]
+    most = max((len(v) for v in choices.values()), default=1)
+    return [[v[i % len(v)] for v in choices.values()] for i in range(most)]
+
+
+def is_grid(cfg: DictConfig) -> bool:
+    """Whether the sweeper runs exactly `trials(cfg)` (Hydra's basic sweeper), not a sample of them."""
+    return OmegaConf.select(cfg, "hydra.sweeper._target_") == BASIC_SWEEPER
