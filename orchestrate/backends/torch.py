@@ -66,7 +66,9 @@ class TorchBackend(Backend):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with parallel.accumulating(model, last=micro == K - 1):
                     with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=fp16):
-                        loss = loss_fn(model(x), y) / K
+                        loss = loss_fn(model(x), y)
+                    if K > 1:  # the mean over the K micro-batches (no extra op on the usual path)
+                        loss = loss / K
                     scaler.scale(loss).backward()
                 loss_sum += loss.item()
             display = meter.displaying(step)
