@@ -22,7 +22,6 @@ work is in `_runs`, `_summary` and `_server`, imported when a sweep needs them.
 
 import atexit
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +53,6 @@ class _Job:
 
     run_id: str
     env: dict[str, str | None]
-    mlflow_uri: str | None
 
 
 class SweepTracking(Callback):
@@ -94,11 +92,10 @@ class SweepTracking(Callback):
         from orchestrate.tracking import ONE_LOGGING_THREAD
 
         run_id = _runs.open_trial(self.handover, config)
-        mlflow_uri = _mlflow_uri()
         # ONE_LOGGING_THREAD: many trials' logging threads against one server stay within its pool.
         before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri, **ONE_LOGGING_THREAD,
                           **(NO_URLS if self.handover.own_server else {})})
-        self._job = _Job(run_id, before, mlflow_uri)
+        self._job = _Job(run_id, before)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         job = self._job
@@ -130,12 +127,7 @@ class SweepTracking(Callback):
         job, self._job = self._job, None
         if job is None:
             return
-        utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-        if utils is not None:
-            # The app's mlflow.set_tracking_uri() set MLflow's process-wide URI (and the variable):
-            # take it back too (MLflow's own `_use_tracking_uri` restores it the same way).
-            utils.set_tracking_uri(job.mlflow_uri)
-        set_env(job.env)
+        set_env(job.env)  # MLflow's process-wide URI, which the app sets, it restores itself (orchestrate.process)
 
 
 def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
@@ -147,12 +139,6 @@ def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
         else:
             os.environ[key] = value
     return before
-
-
-def _mlflow_uri() -> str | None:
-    """MLflow's process-wide tracking URI as set (None: unset), read where `_use_tracking_uri` reads it."""
-    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    return utils._tracking_uri if utils is not None else None
 
 
 def close_open_sweeps() -> None:
