@@ -24,10 +24,10 @@ from orchestrate.resume import config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, ui_command
 
 
-# conf/ and experiments/ sit beside the package in a checkout (and the editable install the README uses).
-ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = str(ROOT / "conf")
-schema.register(ROOT / "experiments")
+# orchestrate's own configs travel inside the package (in a checkout, `conf/` and `experiments/` at
+# the top are links to them): the same place whether it runs from a checkout or an installed wheel.
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+schema.register()
 
 
 @dataclass

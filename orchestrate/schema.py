@@ -5,7 +5,6 @@ data, optimizer) are checked against their target's signature when they are buil
 import enum
 import inspect
 import math
-from pathlib import Path
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
@@ -103,13 +102,11 @@ class Config:
     sweep: SweepConf = field(default_factory=SweepConf)
 
 
-def register(experiments_dir: Path) -> None:
-    """The schema, and each `experiments/NAME.yaml` as option NAME of group `experiment`
-    (so `+experiment=NAME` picks it), in the global package as their header says."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for path in sorted(experiments_dir.glob("*.yaml")):
-        cs.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
+def register() -> None:
+    """The schema, as `config_schema` (conf/config.yaml's first default). Experiments are the
+    config group `experiment` (conf/experiment/NAME.yaml, `+experiment=NAME`), so that a user's own
+    config folder can add to it like to any other group."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
 
 
 def check(cfg: DictConfig) -> None:
