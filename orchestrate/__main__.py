@@ -16,6 +16,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from hydra.types import RunMode
+
 from orchestrate import app, schema
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -28,7 +30,8 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     for arg in it:
         if arg.startswith("-"):
             flags.append(arg)
-            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--config-name", "-cn", "--config-dir", "-cd",
+            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name", "-cn",
+                       "--config-dir", "-cd",
                        "--experimental-rerun") and "=" not in arg:
                 nxt = next(it, None)
                 if nxt is not None:
@@ -40,7 +43,7 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def explain(e: Exception, overrides: list[str]) -> str:
+def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> str:
     """One plain sentence for Hydra's and OmegaConf's composition errors."""
     cause = e
     while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
@@ -53,7 +56,7 @@ def explain(e: Exception, overrides: list[str]) -> str:
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = cause.full_key or cause.key
         parent = key.rsplit(".", 1)[0] if key and "." in key else ""
-        return f"{key}: unknown key{allowed_keys(parent)}"
+        return f"{key}: unknown key{allowed_keys(parent, source)}"
     if isinstance(cause, ValidationError):
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -61,11 +64,11 @@ def explain(e: Exception, overrides: list[str]) -> str:
     return str(e).splitlines()[0]
 
 
-def allowed_keys(parent: str) -> str:
+def allowed_keys(parent: str, source: app.ConfigSource = app.ORCHESTRATE) -> str:
     if not parent:
         return ""
     try:
-        node = OmegaConf.select(app.load_config(), parent)
+        node = OmegaConf.select(app.load_config(source=source), parent)
         return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
     except Exception:
         return ""
@@ -75,36 +78,48 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
                       OmegaConfBaseException)
 
 
-def validate(overrides: list[str], trial: str = "") -> None:
-    """Compose and build one run's config once; exit 2 with one message if it is wrong. `trial`
-    prefixes the message of a config that composes but is refused (which trial of a sweep)."""
+def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
+             trial: str = "") -> None:
+    """Compose and build one run's config once, from the same config folders and search path as
+    the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
+    is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
+    of a sweep)."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
-            app.check(app.load_config(overrides))
+            app.check(app.load_config([*hydra_overrides, *overrides], source))
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
-        fail(explain(e, overrides))
+        fail(explain(e, overrides, source))
 
 
-def validate_sweep(flags: list[str], overrides: list[str]) -> None:
+def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSource) -> None:
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
     from orchestrate.sweeps import plan
 
-    hydra_overrides = [f for f in flags if f.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    hydra_overrides = hydra_words(flags)
     try:
-        cfg = plan.multirun_config(app.CONF_DIR, [*hydra_overrides, *overrides])
+        cfg = app.load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
     except COMPOSITION_ERRORS as e:
-        fail(explain(e, overrides))
+        fail(explain(e, overrides, source))
     check_trial_resources(cfg.hydra.launcher)
     for index, trial in enumerate(trials):
-        validate([o for o in trial if not o.lstrip("+~").startswith(("hydra.", "hydra/"))],
+        validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                  trial=f"trial {index} ({' '.join(trial)}): ")
+
+
+def is_hydra(word: str) -> bool:
+    return word.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
+def hydra_words(flags: list[str]) -> list[str]:
+    """The `hydra.*` and `hydra/...` overrides among the flags (`hydra.searchpath=[...]`, ...)."""
+    return [f for f in flags if is_hydra(f)]
 
 
 def check_trial_resources(launcher) -> None:
@@ -127,12 +142,25 @@ def check_trial_resources(launcher) -> None:
                  "allowed: 0, or hydra.launcher.address of a cluster with GPUs")
 
 
+def strip_source_flags(flags: list[str]) -> list[str]:
+    """The flags without --config-path/-name/-dir (and their values): ConfigSource.as_flags
+    gives them back, absolute."""
+    out, it = [], iter(flags)
+    for flag in it:
+        if flag.partition("=")[0] in app.ConfigSource.FLAGS:
+            if "=" not in flag:
+                next(it, None)
+        else:
+            out.append(flag)
+    return out
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def rewrite_sweep_words(argv: list[str]) -> list[str]:
+def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> list[str]:
     """Hydra's grammar rejects a bare `+sweep` ("missing EQUAL"), so it is read here:
     `+sweep` -> multirun with the experiment's sweep; `+sweep=NAME` -> multirun with
     conf/sweep/NAME.yaml; `+dry_run` -> print the sweep's plan and run nothing."""
@@ -150,9 +178,9 @@ def rewrite_sweep_words(argv: list[str]) -> list[str]:
             out.append(arg)
     if "+sweep" in argv:
         # The experiment's sweep, or the configured default when it names none.
-        _, overrides = split_args(out)
+        flags, overrides = split_args(out)
         try:
-            cfg = app.load_config(overrides)
+            cfg = app.load_config([*hydra_words(flags), *overrides], source)
             if cfg.sweep.name == "none":
                 out.append(f"sweep={cfg.sweep.default}")
         except Exception:
@@ -163,15 +191,23 @@ def rewrite_sweep_words(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    argv = rewrite_sweep_words(sys.argv[1:])
+    try:
+        # --config-path, --config-name, --config-dir: the user's own config folders.
+        source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
+    except schema.ConfigError as e:
+        fail(str(e))
+    argv = rewrite_sweep_words(sys.argv[1:], source)
     flags, overrides = split_args(argv)
     multirun = any(f in MULTIRUN_FLAGS for f in flags)
     if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
         if multirun:
-            validate_sweep(flags, overrides)
+            validate_sweep(flags, overrides, source)
         else:
-            validate(overrides)
-    sys.argv = [sys.argv[0], *argv]
+            validate(overrides, source, hydra_words(flags))
+    # Hydra gets the same folders, made absolute (it would read a relative --config-path as
+    # relative to orchestrate's code, not to where the user is).
+    flags = strip_source_flags(flags)
+    sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
     try:
         app.hydra_main()
     finally:

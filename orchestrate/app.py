@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
@@ -38,25 +37,99 @@ class Result:
     history: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], as logged
 
 
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the configs come from, as Hydra's own command-line flags say: the primary config
+    (orchestrate's `conf/config.yaml`, or a user's own with `--config-path DIR --config-name NAME`),
+    plus a user's folder of extra groups (`--config-dir DIR`); `hydra.searchpath` overrides are
+    read by Hydra itself. The up-front checks compose with exactly the search path the run will use."""
+
+    config_path: str | None = None  # absolute; None: orchestrate's conf/
+    config_name: str = "config"
+    config_dir: str | None = None  # absolute
+
+    FLAGS = {"--config-path": "config_path", "-cp": "config_path", "--config-name": "config_name",
+             "-cn": "config_name", "--config-dir": "config_dir", "-cd": "config_dir"}
+
+    @classmethod
+    def from_flags(cls, flags: list[str]) -> "ConfigSource":
+        """Read `--config-path`, `--config-name`, `--config-dir` (and -cp, -cn, -cd, `=VALUE` or
+        the next word). Folders are taken relative to the working directory, as users mean them
+        (Hydra would take a relative --config-path relative to orchestrate's own code)."""
+        found: dict[str, str] = {}
+        it = iter(flags)
+        for flag in it:
+            name, _, value = flag.partition("=")
+            if name in cls.FLAGS:
+                found[cls.FLAGS[name]] = value or next(it, "")
+        for key in ("config_path", "config_dir"):
+            if key in found:
+                folder = Path(found[key]).expanduser().resolve()
+                if not folder.is_dir():
+                    flag = "--" + key.replace("_", "-")
+                    raise schema.ConfigError(f"{flag} {found[key]}: no such folder ({folder})")
+                found[key] = str(folder)
+        return cls(**found)
+
+    def as_flags(self) -> list[str]:
+        """The same flags for Hydra's own command line, folders made absolute."""
+        flags = [f"--config-name={self.config_name}"]
+        if self.config_path:
+            flags.append(f"--config-path={self.config_path}")
+        if self.config_dir:
+            flags.append(f"--config-dir={self.config_dir}")
+        return flags
+
+
+ORCHESTRATE = ConfigSource()
+
+
 @contextlib.contextmanager
-def _hydra() -> Iterator[None]:
-    """Hydra's config loader: the running app's (its search path), or conf/ outside an app."""
+def _hydra(source: ConfigSource = ORCHESTRATE) -> Iterator[None]:
+    """Hydra's config loader: the running app's (its search path), or, outside an app, the search
+    path `hydra.main` would build from `source` (the same two steps as Hydra's own `_run_hydra`:
+    the primary config folder, then `--config-dir` ahead of it)."""
     if GlobalHydra.instance().is_initialized():
         yield
         return
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.version import setbase
+
+    setbase("1.3")
+    search_path = create_automatic_config_search_path(None, __name__, source.config_path or "conf")
+    if source.config_dir:
+        search_path.prepend(provider="command-line", path=f"file://{source.config_dir}",
+                            anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+    try:
         yield
+    finally:
+        GlobalHydra.instance().clear()
 
 
-def load_config(overrides: list[str] = ()) -> DictConfig:
-    """Compose `conf/config.yaml` with command-line style overrides."""
-    with _hydra():
-        return compose(config_name="config", overrides=list(overrides))
+def load_config(overrides: list[str] = (), source: ConfigSource = ORCHESTRATE,
+                run_mode: RunMode = RunMode.RUN, with_hydra: bool = False) -> DictConfig:
+    """Compose the primary config (`conf/config.yaml` unless `source` names the user's own) with
+    command-line style overrides, `hydra.*` ones included (`hydra.searchpath=[file://DIR]`). Inside
+    a running app, its own primary config and search path."""
+    with _hydra(source):
+        config_name = source.config_name
+        if HydraConfig.initialized():
+            config_name = HydraConfig.get().job.config_name or config_name
+        cfg = GlobalHydra.instance().hydra.compose_config(
+            config_name=config_name, overrides=list(overrides), run_mode=run_mode,
+            from_shell=run_mode == RunMode.MULTIRUN, with_log_configuration=False)
+    if not with_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
-def group_options(group: str) -> list[str]:
-    """The options of a config group, e.g. the backends."""
-    with _hydra():
+def group_options(group: str, source: ConfigSource = ORCHESTRATE) -> list[str]:
+    """The options of a config group on the search path, e.g. the backends."""
+    with _hydra(source):
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
@@ -126,7 +199,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     print("\n".join(lines), flush=True)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
     hydra_cfg = HydraConfig.get()

@@ -9,6 +9,7 @@ final/samples_per_sec, final/step_time_ms, final/wall_time_s.
 import importlib.metadata
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+import orchestrate
 
 
 VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
@@ -48,6 +51,7 @@ def git_commit() -> str:
 
 def versions() -> dict[str, str]:
     found = {}
+    found["orchestrate"] = orchestrate.__version__
     for dist in VERSIONED:
         try:
             found[dist] = importlib.metadata.version(dist)
@@ -169,8 +173,15 @@ def absolute_uri(uri: str) -> str:
 
 
 def ui_command(uri: str) -> str:
+    """The command that opens MLflow's UI on this store, runnable as printed: a bare `mlflow` only
+    when that is this environment's (the virtual environment is active), else its full path."""
     store = uri if "://" in uri else os.path.abspath(uri)
-    return f"mlflow ui --backend-store-uri {store} --host 127.0.0.1 --port 5000"
+    script = Path(sys.executable).parent / "mlflow"
+    if shutil.which("mlflow") == str(script):
+        mlflow = "mlflow"
+    else:
+        mlflow = str(script) if script.exists() else f"{sys.executable} -m mlflow"
+    return f"{mlflow} ui --backend-store-uri {store} --host 127.0.0.1 --port 5000"
 
 
 def handed_over_run() -> tuple[str, str] | None:

@@ -4,6 +4,7 @@ pointed at a test's temporary folder (the lightning-hydra-template way)."""
 from pathlib import Path
 
 import pytest
+from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 
 from orchestrate import app
@@ -31,6 +32,11 @@ def make_cfg(tmp_path):
         return app.load_config([*base, *overrides])
 
     return make
+
+
+def multirun_config(overrides: list[str]):
+    """The config a `-m` command line composes, with its `hydra` node (sweeper, launcher, overrides)."""
+    return app.load_config(overrides, run_mode=RunMode.MULTIRUN, with_hydra=True)
 
 
 def client_for(uri: str) -> MlflowClient:

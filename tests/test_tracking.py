@@ -1,10 +1,14 @@
 """trainer.resume's lookup: which run and checkpoint a resume continues, and its plain errors."""
 
+import shlex
+import subprocess
+
 import pytest
 
 from orchestrate import app
 from orchestrate.schema import ConfigError
 from orchestrate.resume import config_key, find_resume
+from orchestrate.tracking import ui_command
 
 
 def test_the_config_key_ignores_tracking_and_resume_settings_only(make_cfg):
@@ -37,3 +41,13 @@ def test_a_checkpoint_only_in_mlflow_is_downloaded(make_cfg, tmp_path):
     point = find_resume(make_cfg("backend=torch", f"trainer.resume={run.run_id}"))
     assert point.local is None and point.artifact == "checkpoints/step_0000030.pt"
     assert point.fetch(tmp_path / "new").read_bytes()[:2] == b"PK"  # a torch zip file
+
+
+def test_the_ui_command_runs_as_printed_when_the_environment_is_not_active(monkeypatch):
+    """`mlflow` is on the PATH only while the virtual environment is active: the printed command
+    names this environment's own `mlflow` unless the PATH already finds it."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    command = shlex.split(ui_command("sqlite:///mlflow.db"))
+    assert command[1:] == ["ui", "--backend-store-uri", "sqlite:///mlflow.db", "--host", "127.0.0.1", "--port", "5000"]
+    done = subprocess.run([command[0], "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "version" in done.stdout

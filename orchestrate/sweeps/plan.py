@@ -1,6 +1,6 @@
-"""A sweep's trials, worked out before anything runs: the multirun config composed as Hydra's
-`multirun()` composes it, and its sweep (`hydra.sweeper.params` plus the command line's sweep
-overrides) expanded as Hydra's BasicSweeper expands it. Used by `orchestrate/__main__.py` to check
+"""A sweep's trials, worked out before anything runs: from the multirun config (composed as Hydra's
+`multirun()` composes it: `orchestrate.app.load_config(..., run_mode=RunMode.MULTIRUN)`), its sweep
+(`hydra.sweeper.params` plus the command line's sweep overrides) expanded as Hydra's BasicSweeper expands it. Used by `orchestrate/__main__.py` to check
 every trial's config up front, whatever the launcher, and by the sweep callbacks to list the trials
 a grid sweep never reached."""
 
@@ -9,18 +9,6 @@ import itertools
 from omegaconf import DictConfig, OmegaConf
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-
-
-def multirun_config(config_dir: str, overrides: list[str]) -> DictConfig:
-    """`conf/config.yaml` composed in multirun mode with the `hydra` node (sweep overrides such as
-    `optimizer.lr=1e-3,1e-2` are allowed, as on a `-m` command line)."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        return GlobalHydra.instance().hydra.compose_config(config_name="config", overrides=list(overrides),
-                                                           run_mode=RunMode.MULTIRUN, from_shell=True)
 
 
 def trials(cfg: DictConfig) -> list[list[str]]:

@@ -15,15 +15,16 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from orchestrate import app
-from orchestrate.sweeps import _summary, callbacks, plan
+from orchestrate.sweeps import _summary, callbacks
 from orchestrate.sweeps.callbacks import Handover, SweepTracking
+from tests.conftest import multirun_config
 
 MLFLOW_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE",
                     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
 
 
 def test_conf_turns_the_callback_on_with_the_main_configs_settings():
-    cfg = plan.multirun_config(app.CONF_DIR, ["tracking.experiment=x", "sweep=lr_grid"])
+    cfg = multirun_config(["tracking.experiment=x", "sweep=lr_grid"])
     cb = instantiate(cfg.hydra.callbacks.sweep_tracking)
     assert isinstance(cb, SweepTracking)
     assert (cb.tracking_uri, cb.experiment, cb.metric, cb.name) == ("sqlite:///mlflow.db", "x", "eval_loss", "lr_grid")
@@ -64,7 +65,7 @@ def parent(tmp_path):
 
 
 def job_config(*overrides: str, num: int):
-    cfg = plan.multirun_config(app.CONF_DIR, list(overrides))
+    cfg = multirun_config(list(overrides))
     with open_dict(cfg):
         cfg.hydra.job.num = num
     return cfg

@@ -11,13 +11,12 @@ import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from orchestrate import app
 from orchestrate.sweeps import plan
-from tests.conftest import ROOT
+from tests.conftest import ROOT, multirun_config
 
 
 def test_a_grid_expands_as_hydras_basic_sweeper_expands_it():
-    cfg = plan.multirun_config(app.CONF_DIR, ["sweep=lr_grid", "backend=torch,ondevice", "trainer.max_steps=5"])
+    cfg = multirun_config(["sweep=lr_grid", "backend=torch,ondevice", "trainer.max_steps=5"])
     lines = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()] + list(cfg.hydra.overrides.task)
     assert plan.is_grid(cfg)
     assert plan.trials(cfg) == BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)[0]
@@ -29,7 +28,7 @@ def test_a_grid_expands_as_hydras_basic_sweeper_expands_it():
 def test_an_optuna_search_space_is_checked_at_each_choice_and_both_ends_of_each_interval():
     # lr_optuna.yaml: optimizer.lr: tag(log, interval(1e-4, 3e-2)); trainer.batch_size: choice(32, 64, 128);
     # Optuna samples a range's integers from its start to its stop, both included.
-    cfg = plan.multirun_config(app.CONF_DIR, ["+experiment=lr_search", "trainer.warmup_steps=range(0, 1000, 10)"])
+    cfg = multirun_config(["+experiment=lr_search", "trainer.warmup_steps=range(0, 1000, 10)"])
     assert not plan.is_grid(cfg)
     trials = plan.trials(cfg)
     values = lambda key: {o for t in trials for o in t if o.startswith(f"{key}=")}  # noqa: E731

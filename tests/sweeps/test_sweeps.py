@@ -6,6 +6,8 @@ launcher. Results are read back with MlflowClient."""
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -102,8 +104,10 @@ def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
     assert len(trial_lines) == (0 if launcher == "submitit_local" else 2)
     assert all(at < summary for at in trial_lines)
     assert "| optimizer.lr=0.01 | FINISHED |" in out[summary:]
-    assert out.rstrip().splitlines()[-1] == ("open the UI with   mlflow ui --backend-store-uri sqlite:///mlflow.db "
-                                             "--host 127.0.0.1 --port 5000")
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("open the UI with   ")
+    assert last.endswith(" ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000")
+    assert shutil.which(shlex.split(last[len("open the UI with   "):])[0])  # runnable as printed
     # Only the summary says where to look, and never at the sweep's own server (gone by then).
     assert out.count("open the UI with") == 1 and "View run" not in out
 
