@@ -1,16 +1,18 @@
 # Two commands: `make run` (set up, then train the default experiment) and `make test`.
+# Works from any folder: `make -f /path/to/checkout/Makefile run` trains in the current one.
+ROOT   := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
 PYTHON ?= python3.11
-VENV   ?= .venv
+VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
 .PHONY: setup run test bench ui clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "onnxruntime-training 1.19.2 needs Python 3.11; set PYTHON=..."'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c $(ROOT)constraints.txt -e '$(ROOT)[test]'
 	touch $@
 
 # ORTModule's C++ extensions, compiled once against the installed torch (about 3 minutes on 2 cores).
@@ -27,7 +29,7 @@ test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: setup
-	$(BIN)/python benchmarks/backends.py $(ARGS)
+	$(BIN)/python $(ROOT)benchmarks/backends.py $(ARGS)
 
 ui:
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

@@ -84,12 +84,15 @@ def alive_nodes(address: str, env: dict) -> list[str]:
 
 
 @contextlib.contextmanager
-def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1):
+def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1, dashboard_port: int | None = None,
+                     env: dict | None = None):
     """A head and `nodes - 1` more nodes, each its own `ray start --block` process, all bound to
-    127.0.0.1 and guarded by a fresh auth token. Yields (address, env for clients)."""
+    127.0.0.1 and guarded by a fresh auth token; with `dashboard_port`, the head's dashboard (and
+    job submission) there. `env`: the environment the nodes start in (their jobs' `python`).
+    Yields (address, env for clients)."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    env = {**(env or os.environ), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     # Its own temp folder (short: Ray's socket paths are length-limited), so that the address file
     # `ray start` leaves behind does not lead a later plain `ray.init()` to this cluster.
@@ -97,7 +100,9 @@ def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1):
     common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--num-gpus=0",
               f"--temp-dir={temp_dir}"]
     ray_cli = [sys.executable, "-c", RAY_CLI_ON_LOOPBACK]
-    procs = [subprocess.Popen([*ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+    dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+                 if dashboard_port else ["--include-dashboard=false"])
+    procs = [subprocess.Popen([*ray_cli, "start", "--head", f"--port={port}", *dashboard, *common],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         node_env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}

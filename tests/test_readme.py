@@ -1,0 +1,277 @@
+"""The README is a contract: every command in it runs as written and does what the text next to it
+says. Its fenced `bash` blocks and its bad-input examples (`$ command` then the `error:` line) are
+read from README.md; each command has an entry in EXPECTED below (what to check, and the extra
+overrides that keep it short where the text allows: fewer steps, fewer Optuna trials). A command
+added to the README without an entry here, or an entry whose command left the README, fails
+`test_every_readme_command_is_checked`.
+
+Commands run from a fresh temporary folder with the installed wheel's environment active
+(`python`, `orchestrate`: the `installed_wheel` fixture), as a user who installed orchestrate would
+run them; the "Your own project" commands run in the project the README's file blocks spell out.
+Placeholders are filled in: HEAD (a Ray head on 127.0.0.1), MLFLOW_HOST:5000 (a tracking server on
+127.0.0.1), /shared (a temporary folder).
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import textwrap
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import ROOT
+from tests.helpers import free_port, loopback_cluster
+
+README = (ROOT / "README.md").read_text()
+SHORT = ("trainer.max_steps=20", "trainer.progress=false")
+
+
+def blocks(language: str) -> list[str]:
+    """The bodies of the README's fenced blocks in `language` ("" for plain ``` blocks)."""
+    found = re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", README, re.S | re.M)  # list items indent theirs
+    return [textwrap.dedent(body) for lang, body in found if lang == language]
+
+
+def bash_commands() -> list[tuple[str, dict[str, str]]]:
+    """(command, environment it runs with) for each command line of the ```bash blocks:
+    continuations joined, comments dropped; `export X=Y` applies to the block's later lines."""
+    found = []
+    for block in blocks("bash"):
+        exported = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["export"]:
+                exported.update(w.split("=", 1) for w in words[1:])
+            elif words:
+                found.append((" ".join(words), dict(exported)))
+    return found
+
+
+def bad_input_examples() -> list[tuple[str, str]]:
+    """(command, the error line the README shows) from its plain ``` blocks of `$ ` lines."""
+    found = []
+    for block in blocks(""):
+        lines = block.splitlines()
+        for command, shown in zip(lines, lines[1:]):
+            if command.startswith("$ "):
+                found.append((command[2:], shown))
+    return found
+
+
+def project_files() -> dict[str, str]:
+    """The "Your own project" files: fenced blocks whose first line names `my_project/...`."""
+    files = {}
+    for body in blocks("python") + blocks("yaml"):
+        name = re.match(r"# (my_project/\S+)\n", body)
+        if name:
+            files[name.group(1)] = body[name.end():]
+    return files
+
+
+@dataclass
+class Expect:
+    """What the README's text promises for a command, and how to run it here."""
+
+    extra: tuple[str, ...] = SHORT  # appended to the command: a short run where the text allows
+    where: str = "empty"  # empty: a new empty folder; project: the README's my_project/
+    code: int = 0
+    says: tuple[str, ...] = ()  # printed (stdout or stderr)
+    runs: int | None = None  # MLflow runs the command leaves in the folder's store, all FINISHED
+    experiment: str = "orchestrate"
+    tags: dict[str, str] = field(default_factory=dict)  # every run has these (children only for a sweep)
+    metrics: dict[str, float] = field(default_factory=dict)  # and these final metric values
+    skip: str = ""  # why it is not run here
+
+
+PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data": "models.Wine"})
+EXPECTED: dict[str, Expect] = {
+    # ---- the two commands, and the package used directly
+    "make run": Expect(says=("eval accuracy", "MLflow run"), runs=1, tags={"backend": "ortmodule"}),
+    "make test": Expect(skip="the command that runs this test (CI runs it)"),
+    "python -m orchestrate backend=ondevice optimizer.lr=3e-3": Expect(runs=1, tags={"backend": "ondevice"}),
+    "python -m orchestrate backend=torch model=char_transformer data=python_source trainer.batch_size=16": Expect(
+        extra=("trainer.max_steps=5", "trainer.progress=false"), runs=1,
+        tags={"backend": "torch", "model": "orchestrate.tasks.models.CharTransformer"}),
+    "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
+    "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
+    # ---- installing elsewhere
+    "pip install -c constraints.txt .": Expect(
+        skip="downloads the whole stack; the installed_wheel fixture makes this install without the dependencies"),
+    "python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install": Expect(
+        skip="make setup built them; building again takes minutes"),
+    # ---- your own project
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=torch": Expect(**PROJECT_RUN),
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ortmodule": Expect(**PROJECT_RUN),
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ondevice": Expect(**PROJECT_RUN),
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=runner trainer.num_workers=2": Expect(
+        **{**PROJECT_RUN, "metrics": {"world_size": 2}}),
+    "python -m orchestrate --config-dir conf +experiment=wine +sweep=backends": Expect(
+        where="project", runs=4, experiment="wine", says=("sweep summary",),
+        tags={"model": "models.MyNet", "data": "models.Wine"}),
+    "python -m orchestrate hydra.searchpath=[file://conf] model=my_net data=my_data": Expect(**PROJECT_RUN),
+    "python -m orchestrate --config-path conf --config-name train backend=ondevice": Expect(
+        **{**PROJECT_RUN, "experiment": "wine", "tags": {**PROJECT_RUN["tags"], "backend": "ondevice"}}),
+    # ---- looking at the runs
+    "make ui": Expect(extra=(), says=()),  # serves http://127.0.0.1:5000 (checked in its own test)
+    # ---- sweeps
+    "python -m orchestrate backend=ortmodule +sweep": Expect(runs=4, says=("sweep summary",),
+                                                             tags={"backend": "ortmodule"}),
+    "python -m orchestrate +experiment=backend_shootout +sweep": Expect(runs=4, experiment="backend_shootout",
+                                                                        says=("sweep summary",)),
+    "python -m orchestrate +experiment=lr_search +sweep": Expect(
+        extra=(*SHORT, "hydra.sweeper.n_trials=2"), runs=3, experiment="lr_search", says=("sweep summary",),
+        tags={"backend": "ondevice"}),
+    "python -m orchestrate +sweep=backends model=char_transformer data=python_source": Expect(
+        extra=("trainer.max_steps=5", "trainer.batch_size=8", "trainer.progress=false"), runs=4,
+        says=("sweep summary",), tags={"model": "orchestrate.tasks.models.CharTransformer"}),
+    "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ortmodule,ondevice": Expect(
+        runs=7, says=("sweep summary",)),
+    "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
+        says=("backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0),
+    "python -m orchestrate -m hydra/launcher=submitit_slurm hydra.launcher.partition=P hydra.launcher.account=A "
+    "hydra.launcher.timeout_min=120 hydra.launcher.cpus_per_task=4 hydra.launcher.gpus_per_node=1 "
+    "hydra.launcher.mem_gb=16 hydra.launcher.setup=[source .venv/bin/activate] tracking.uri=http://MLFLOW_HOST:5000 "
+    "optimizer.lr=1e-3,1e-2": Expect(skip="needs a Slurm cluster; none here"),
+    # ---- the runner
+    "python -m orchestrate backend=runner trainer.num_workers=2": Expect(
+        runs=1, tags={"backend": "runner"}, metrics={"world_size": 2}),
+    "python -m orchestrate backend=runner backend.engine=torch trainer.gradient_accumulation_steps=4": Expect(
+        runs=1, metrics={"effective_batch_size": 256}),
+    "python -m orchestrate backend=runner backend.engine=ondevice trainer.num_workers=2": Expect(
+        runs=1, metrics={"world_size": 2}),
+    "python -m orchestrate backend=runner backend.engine=ondevice backend.average_every=10 optimizer=sgd "
+    "trainer.num_workers=2": Expect(runs=1, metrics={"world_size": 2}),
+    "python -m orchestrate backend=runner trainer.checkpoint_period=50 trainer.resume=auto": Expect(
+        runs=1, says=("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",)),
+    "ray job submit --address http://HEAD:8265 --working-dir . -- python -m orchestrate backend=runner "
+    "trainer.num_workers=2 backend.placement_strategy=SPREAD tracking.uri=http://MLFLOW_HOST:5000 "
+    "backend.storage_path=/shared/ray trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/run1": Expect(
+        says=("succeeded",)),  # checked in its own test, against a Ray head on 127.0.0.1
+    # ---- GPU: this project's machines cannot install ORT training beside a GPU
+    ".venv/bin/pip uninstall -y onnxruntime-training-cpu": Expect(skip="would replace the tested CPU build"),
+    ".venv/bin/pip install onnxruntime-training==1.19.2": Expect(skip="GPU build: needs CUDA 11.8"),
+    ".venv/bin/python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install": Expect(
+        skip="make setup built them; building again takes minutes"),
+    ".venv/bin/python -m orchestrate trainer.device=cuda optimizer=fused_adam": Expect(
+        code=2, says=("trainer.device=cuda needs CUDA",), runs=0),  # on this CPU machine: refused up front
+}
+SEPARATE = ("make ui", "ray job submit")  # need a server or a cluster beside them: their own tests
+
+
+def test_every_readme_command_is_checked():
+    commands = [c for c, _ in bash_commands()]
+    assert sorted(set(commands)) == sorted(EXPECTED), "README.md and EXPECTED disagree"
+    assert set(project_files()) >= {"my_project/models.py", "my_project/conf/model/my_net.yaml",
+                                    "my_project/conf/data/my_data.yaml"}
+    assert len(bad_input_examples()) >= 3
+
+
+def write_project(folder: Path) -> Path:
+    for name, text in project_files().items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return folder / "my_project"
+
+
+def run(command: str, cwd: Path, env: dict, extra=(), timeout: int = 600) -> subprocess.CompletedProcess:
+    words = shlex.split(command)
+    if words[0] == "make":  # this checkout's Makefile (and its .venv), run from the folder
+        words = ["make", "-s", "-f", str(ROOT / "Makefile"), *words[1:], *([f"ARGS={' '.join(extra)}"] if extra else [])]
+        extra = ()
+    if words[0].startswith(".venv/"):
+        words[0] = str(ROOT / words[0])
+    return subprocess.run([*words, *extra], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def mlflow_runs(folder: Path, experiment: str) -> list:
+    if not (folder / "mlflow.db").exists():
+        return []
+    client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+RUNNABLE = [c for c, e in EXPECTED.items() if not e.skip and not c.startswith(SEPARATE)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUNNABLE)
+def test_the_command_does_what_the_readme_says(command, installed_wheel, tmp_path):
+    expect = EXPECTED[command]
+    env = {**installed_wheel.env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
+    folder = write_project(tmp_path) if expect.where == "project" else tmp_path
+    done = run(command, folder, env, expect.extra)
+    printed = done.stdout + done.stderr
+    assert done.returncode == expect.code, printed[-4000:]
+    for text in expect.says:
+        assert text in printed, printed[-4000:]
+    if expect.runs is not None:
+        runs = mlflow_runs(folder, expect.experiment)
+        assert len(runs) == expect.runs, [r.info.run_name for r in runs]
+        assert all(r.info.status == "FINISHED" for r in runs)
+        trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags] or runs
+        for r in trials:
+            assert expect.tags.items() <= r.data.tags.items(), r.data.tags
+            for key, value in expect.metrics.items():
+                assert r.data.metrics.get(key) == value, (key, r.data.metrics)
+    if expect.code != 0:
+        assert list(folder.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize("command,shown", bad_input_examples(), ids=[c for c, _ in bad_input_examples()])
+def test_the_bad_input_examples_print_what_the_readme_shows(command, shown, installed_wheel, tmp_path):
+    done = run(command, tmp_path, installed_wheel.env)
+    assert done.returncode == 2
+    printed = done.stderr.strip()
+    # The README shortens long lists with "...": what it shows must be the start of the line.
+    assert printed.startswith(shown.removesuffix("...").rstrip()), (printed, shown)
+    assert len(printed.splitlines()) == 1 and done.stdout.strip() == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_make_ui_serves_the_runs(installed_wheel, tmp_path):
+    """`make ui` opens MLflow's UI on this folder's store at http://127.0.0.1:5000."""
+    proc = subprocess.Popen(["make", "-s", "-f", str(ROOT / "Makefile"), "ui"],
+                            cwd=tmp_path, env=installed_wheel.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while time.monotonic() < deadline and answer is None:
+            try:
+                answer = urllib.request.urlopen("http://127.0.0.1:5000/health", timeout=5).read()
+            except OSError:
+                time.sleep(1)
+        assert answer == b"OK"
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_ray_job_submit_runs_the_runner_on_a_cluster(installed_wheel, mlflow_server, tmp_path):
+    """The README's `ray job submit` command against a Ray head on 127.0.0.1 (its placeholders
+    filled in), with RAY_AUTH_MODE=token as the README exports it."""
+    (command, exported), = [(c, e) for c, e in bash_commands() if c.startswith("ray job submit")]
+    dashboard = free_port()
+    shared = tmp_path / "shared"
+    command = (command.replace("HEAD:8265", f"127.0.0.1:{dashboard}")
+               .replace("http://MLFLOW_HOST:5000", mlflow_server).replace("/shared", str(shared)))
+    project = write_project(tmp_path)
+    with loopback_cluster(nodes=1, cpus_per_node=2, dashboard_port=dashboard,
+                          env=installed_wheel.env) as (_, env):
+        done = run(command, project, {**env, **exported}, extra=SHORT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (shared / "outputs" / "run1").is_dir()
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id],
+                              filter_string="tags.backend = 'runner'", order_by=["start_time DESC"], max_results=1)
+    assert runs and runs[0].info.status == "FINISHED" and runs[0].data.metrics["world_size"] == 2
