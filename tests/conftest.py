@@ -1,6 +1,12 @@
 """Shared fixtures: a real MLflow tracking server on 127.0.0.1, and configs composed from conf/
 pointed at a test's temporary folder (the lightning-hydra-template way)."""
 
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,3 +51,42 @@ def client_for(uri: str) -> MlflowClient:
 
 def metric_steps(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+@dataclass(frozen=True)
+class InstalledWheel:
+    wheel: Path  # the built .whl
+    python: Path  # the fresh venv's interpreter
+    bin: Path  # its bin/, with the `orchestrate` console script
+    env: dict[str, str]  # PATH: venv bin, then .venv/bin (mlflow, ray), then the rest
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory) -> InstalledWheel:
+    """This checkout built as a wheel and installed, without its dependencies, into a fresh venv
+    that sees the set-up environment's packages but imports orchestrate only from the wheel.
+    Nothing is downloaded."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    # Output of the commands below is captured by pytest and shown if one fails.
+    # pip builds in place (build/, *.egg-info): build from a copy, so that the checkout is untouched.
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "mlruns", "outputs", "multirun",
+        "*.db"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp / "dist", src],
+                   check=True)
+    (wheel,) = (tmp / "dist").glob("orchestrate-*.whl")
+    # A venv made by the interpreter that made .venv; this pip installs into it (pip >= 22.3: --python).
+    venv = tmp / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], check=True)
+    # .venv's site-packages on the new venv's sys.path, after its own. A .pth line adds a plain path,
+    # not a site dir: .venv's own .pth files (orchestrate's editable install) are not processed.
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    (venv / purelib.relative_to(sys.prefix) / "_setup_env.pth").write_text(f"{purelib}\n")
+    env = {**os.environ, "VIRTUAL_ENV": str(venv),
+           "PATH": os.pathsep.join([str(venv / "bin"), str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])}
+    env.pop("PYTHONPATH", None)  # would put the checkout back on sys.path
+    return InstalledWheel(wheel, python, venv / "bin", env)
