@@ -194,6 +194,18 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
             lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
     lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}')",
               f"  outputs            {result.out_dir}"]
+    # Hydra's job log (hydra.job_logging's file handler): all of the run's logging, ORT's output that
+    # the console left out (backend.log_level) included. Only for the Hydra job this run is.
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is not None and Path(hydra_cfg.runtime.output_dir).resolve() == result.out_dir.resolve():
+        handler = (hydra_cfg.job_logging or {}).get("handlers", {}).get("file") or {}
+        if handler.get("filename") and Path(handler["filename"]).is_file():
+            lines.append(f"  full log           {handler['filename']}")
+    if job.backend.distributed:  # the runner's workers log beside it (those on this node)
+        from orchestrate.backends.runner.worker import WORKER_LOG
+
+        if any(result.out_dir.glob(WORKER_LOG.format(rank="*"))):
+            lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
     if not in_sweep:  # a sweep's trial: the sweep's summary says where to look
         lines.append(f"  open the UI with   {ui_command(cfg.tracking.uri)}")
     print("\n".join(lines), flush=True)

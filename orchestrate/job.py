@@ -25,6 +25,57 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> None:
+    """Run the model once on the data's sample batch (eval mode, no gradients, no ORT export), so
+    that a layer sized for other data is refused here rather than in the first training step.
+    The RNG is forked and the mode restored: every backend still starts from the same state."""
+    sample = data.sample_input()
+    target = cfg.model._target_
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            out = model(sample)
+    except Exception as e:  # whatever the model's own code raises, the run would stop on it
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise schema.ConfigError(
+            f"model ({target}) cannot run on data's sample batch of shape {list(sample.shape)} "
+            f"({str(sample.dtype).removeprefix('torch.')}): {reason}; {size_hint(cfg)}") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor):
+        raise schema.ConfigError(f"model ({target}) returns {type(out).__name__}; the loops need one tensor of "
+                                 "logits (or predictions) per batch")
+    # Targets hold data.num_classes values per sample (class ids below it for cross_entropy):
+    # fewer logits fail on the first label above them, and mse, l1 and bce_with_logits compare
+    # output and target value by value. More logits than classes does train with cross_entropy.
+    classes, outputs = cfg.data.get("num_classes"), (out.shape[-1] if out.dim() else 1)
+    if isinstance(classes, int) and (outputs < classes or (outputs > classes and data.loss != "cross_entropy")):
+        raise schema.ConfigError(f"model ({target}) gives {outputs} outputs per sample and data.num_classes={classes} "
+                                 f"(data.loss={data.loss}); {size_hint(cfg)}")
+
+
+def size_hint(cfg: DictConfig) -> str:
+    """The sizes that must agree between model and data: their integer keys (resolved)."""
+    def sizes(group: str) -> str:
+        return ", ".join(f"{group}.{k}={v}" for k, v in cfg[group].items()
+                         if isinstance(v, int) and not isinstance(v, bool) and k != "seed")
+
+    return f"check the model's sizes ({sizes('model')}) against the data's ({sizes('data')})"
+
+
+def check_optimizer(node: DictConfig, model: torch.nn.Module) -> None:
+    """Build the optimizer once on the model's parameters (nothing is stepped): torch checks its
+    arguments in the constructor (a negative learning rate, betas outside [0, 1)), and the
+    backends build it only inside the run."""
+    if schema.target_of(node, "optimizer").__module__.startswith("onnxruntime."):
+        # ORT's FusedAdam checks none of its arguments, and building it needs CUDA and ORT's C++
+        # extensions (which ORTModule builds on first use): only its keys are checked.
+        schema.build(node, "optimizer")  # `_partial_`: the class is not called
+        return
+    schema.build(node, "optimizer", list(model.parameters()))
+
+
 @dataclass
 class Job:
     cfg: DictConfig
@@ -45,13 +96,15 @@ class Job:
         # Same seed right before building the model: every backend starts from the same weights.
         seed_everything(cfg.trainer.seed)
         model = schema.build(cfg.model, "model")
+        # Both would otherwise fail only inside the loop, after the MLflow run has opened.
+        check_forward(model, data, cfg)
+        check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
         backend.check_workers(job)
         if cfg.trainer.resume and not backend.resumable:
             raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
                                      "checkpoints to continue; allowed with backend=torch, ortmodule or runner")
         backend.check(job)
-        schema.target_of(cfg.optimizer, "optimizer")
         try:
             job.train_batch(1)  # the data set can serve this batch size
         except ValueError as e:

@@ -4,29 +4,56 @@ inference sessions, the on-device API's `Module`, and the runner's engines on ea
 ORT's default CPU threading (a pool of one thread per physical core, spinning while idle) is the
 largest speed lever on a small machine: on 2 cores one intra-op thread ran the on-device loop
 3.8x faster than the default. So the thread count and spinning are always set explicitly.
+
+How loud ORT is (`backend.log_level`) is set here too: ORTModule's banner, the C++ logger's lines,
+the torch.onnx exporter's warnings and the import warnings ORT triggers (DeepSpeed missing) reach
+the console only from that level up; below it they go to the run's log file alone (`quiet`).
 """
 
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
+
+# backend.log_level: ORTModule's LogLevel names (DEVINFO is for ORT's developers), as Python
+# logging levels (ORTModule's own mapping, onnxruntime/training/ortmodule/_logger.py) and as the
+# severities of ORT's C++ logger (0 verbose .. 4 fatal).
+LEVELS = {"VERBOSE": logging.DEBUG, "DEVINFO": logging.INFO, "INFO": logging.INFO, "WARNING": logging.WARNING,
+          "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+SEVERITIES = {"VERBOSE": 0, "DEVINFO": 1, "INFO": 1, "WARNING": 2, "ERROR": 3, "FATAL": 4}
+ORT_DEFAULT_SEVERITY = 2  # ORT's default logger starts at WARNING; ORT offers no way to read it back
+_default_severity = ORT_DEFAULT_SEVERITY  # as last set through set_default_severity
 
 
 def configure(options: Any, intra_op_threads: int, allow_spinning: bool,
-              mapped_dimensions: dict[str, int] | None = None) -> Any:
+              mapped_dimensions: dict[str, int] | None = None, log_level: str | None = None) -> Any:
     """Apply orchestrate's settings to an `onnxruntime.SessionOptions` and return it.
     `intra_op_threads=0` keeps ORT's default pool; `mapped_dimensions` fixes symbolic dimensions
-    (ORT's free-dimension overrides, e.g. {"batch": 64}) so that ORT can plan memory for them."""
+    (ORT's free-dimension overrides, e.g. {"batch": 64}) so that ORT can plan memory for them;
+    `log_level` (a LEVELS name) sets the session's C++ log severity."""
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads
+    if log_level is not None:
+        options.log_severity_level = SEVERITIES[log_level]
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     for name, value in (mapped_dimensions or {}).items():
         options.add_free_dimension_override_by_name(name, value)
     return options
 
 
-def session_options(intra_op_threads: int, allow_spinning: bool, mapped_dimensions: dict[str, int] | None = None):
+def session_options(intra_op_threads: int, allow_spinning: bool, mapped_dimensions: dict[str, int] | None = None,
+                    log_level: str | None = None):
     """A new `onnxruntime.SessionOptions` with orchestrate's settings."""
     import onnxruntime
 
-    return configure(onnxruntime.SessionOptions(), intra_op_threads, allow_spinning, mapped_dimensions)
+    return configure(onnxruntime.SessionOptions(), intra_op_threads, allow_spinning, mapped_dimensions, log_level)
 
 
 def providers() -> list[str]:
@@ -34,3 +61,127 @@ def providers() -> list[str]:
     import onnxruntime
 
     return onnxruntime.get_available_providers()
+
+
+def quiet(log_level: str) -> None:
+    """ORT's own output reaches the console from `log_level` (a LEVELS name) up; below it, only
+    the run's log file (the handlers that write to files) gets it. Imports ORT if it is not yet.
+
+    Process-wide, and put back when the run ends (orchestrate.process.kept): Python warnings go
+    through logging (`logging.captureWarnings`), the console handlers get a `HideOrtOutput` filter,
+    and ORT's default C++ logger gets the level's severity (its lines cannot be routed to the log
+    file: below the level they are not printed at all)."""
+    logging.captureWarnings(True)
+    with stderr_logged():
+        # Its first import prints (torch's cpp_extension: "No CUDA runtime is found"): into the log.
+        importlib.import_module("onnxruntime")
+
+        # After the import: ORT's tools call logging.basicConfig, a console handler where there was none.
+        for handler in console_handlers():
+            for old in [f for f in handler.filters if isinstance(f, HideOrtOutput)]:
+                handler.removeFilter(old)
+            handler.addFilter(HideOrtOutput(LEVELS[log_level]))
+        set_default_severity(SEVERITIES[log_level])
+
+
+def console_handlers() -> list[logging.Handler]:
+    """The handlers that print: the root logger's stream handlers that do not write to a file
+    (Hydra's `console`), or logging's last resort when the root logger has no handler at all."""
+    root = logging.getLogger()
+    found = [h for h in root.handlers
+             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    if not root.handlers and logging.lastResort is not None:
+        found.append(logging.lastResort)
+    return found
+
+
+class HideOrtOutput(logging.Filter):
+    """On a console handler: lets through every record except ORT's below `threshold`, but for
+    ORTModule's fallback to PyTorch (the run no longer trains through ORT: always worth a line)."""
+
+    def __init__(self, threshold: int):
+        super().__init__()
+        self.threshold = threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= self.threshold or not from_ort(record)
+                or str(record.msg).startswith(ALWAYS_SHOWN))
+
+
+ALWAYS_SHOWN = ("Fallback to PyTorch",)  # ORTModule's warning when it hands the model back to PyTorch
+
+
+ORT_LOGGERS = ("orttraining", "onnxruntime")  # ORTModule's logger (".rank-N" on the runner), stderr_logged's
+
+
+def from_ort(record: logging.LogRecord) -> bool:
+    """ORT's output: its loggers' records, records logged from ORT's Python code (the on-device
+    API's artifact builder logs to the root logger), and Python warnings raised in ORT or in the
+    torch.onnx exporter that ORT drives."""
+    if record.name.split(".")[0] in ORT_LOGGERS:
+        return True
+    # A captured warning's message starts with the file that raised it: "<file>:<line>: <Category>: ..."
+    where = record.getMessage() if record.name == "py.warnings" else record.pathname
+    return where.startswith(_ort_sources())
+
+
+@functools.cache
+def _ort_sources() -> tuple[str, ...]:
+    """The folders of ORT's and torch.onnx's Python code."""
+    found = []
+    for name in ("onnxruntime", "torch.onnx"):
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                found += [os.path.join(folder, "") for folder in spec.submodule_search_locations]
+    return tuple(found)
+
+
+def default_severity() -> int:
+    """ORT's default logger severity, as orchestrate last set it (ORT's own default otherwise)."""
+    return _default_severity
+
+
+def set_default_severity(severity: int) -> None:
+    """`onnxruntime.set_default_logger_severity`, remembered (ORT cannot be asked for it back)."""
+    global _default_severity
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(severity)
+    _default_severity = severity
+
+
+# ORT's C++ log line: "2026-11-26 10:19:00.399 [I:onnxruntime:Default, graph_transformer.cc:15 Apply] ..."
+_C_LINE = re.compile(r"\[([VIWEF]):onnxruntime:")
+_C_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+@contextlib.contextmanager
+def stderr_logged(name: str = "onnxruntime") -> Iterator[None]:
+    """What is written to file descriptor 2 meanwhile (ORT's C++ logger, which some ORT calls run
+    at INFO whatever the settings say: the on-device API's artifact builder; and prints from the
+    imports ORT triggers) goes to the logger `name` instead: one record per line, at the line's
+    ORT severity (WARNING for a line without one), whatever the logger's level. The console
+    shows them from `backend.log_level` up (HideOrtOutput), the log file all of them."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no file descriptor 2 to take over
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            logger = logging.getLogger(name)
+            for line in captured.read().decode(errors="replace").splitlines():
+                if line.strip():
+                    found = _C_LINE.search(line)
+                    level = _C_LEVELS[found.group(1)] if found else logging.WARNING
+                    logger.handle(logger.makeRecord(name, level, __file__, 0, line, None, None))

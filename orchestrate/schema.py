@@ -5,6 +5,7 @@ data, optimizer) are checked against their target's signature when they are buil
 import enum
 import inspect
 import math
+import re
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
@@ -12,12 +13,17 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.errors import InstantiationException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
     """Bad input: a wrong key or value, a missing file, an impossible combination.
     The command line prints its message alone and exits with code 2."""
+
+
+def shown(value: Any) -> str:
+    """A config value as an override writes it (true, null), for messages."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class LRSchedule(str, enum.Enum):
@@ -148,14 +154,26 @@ def target_of(node: DictConfig, key: str) -> Any:
 
 
 def build(node: DictConfig, key: str, *args: Any) -> Any:
-    """`hydra.utils.instantiate` with errors that name the config key and the allowed keys."""
+    """`hydra.utils.instantiate` with errors that name the config key and the allowed keys. With
+    `args`, the target is `_partial_` and called with them (the optimizer, on the parameters)."""
     target = target_of(node, key)
     parameters = inspect.signature(target).parameters
-    allowed = [p for p in parameters if p not in ("self", "args", "kwargs")]
+    # Leading parameters that `args` fill (the optimizer's params) are not config keys.
+    allowed = [p for p in parameters if p not in ("self", "args", "kwargs")][len(args):]
     given = [k for k in node if not str(k).startswith("_")]
     unknown = [k for k in given if k not in allowed and "kwargs" not in parameters]
     if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key for {node._target_}; allowed keys: {', '.join(allowed)}")
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key for {node._target_}; allowed keys: "
+                          f"{', '.join(allowed)}{how_to_drop(key, unknown[0], node._target_)}")
+    for name in given:
+        # e.g. model=char_transformer with data=digits: model.vocab_size is ${data.vocab_size},
+        # which digits lacks (OmegaConf's own error names neither key).
+        try:
+            node[name]
+        except InterpolationResolutionError as e:
+            raw = OmegaConf.to_container(node, resolve=False)[name]
+            raise ConfigError(f"{key}.{name}={raw}: {(e.msg or str(e)).splitlines()[0]}; set {key}.{name} to a value, "
+                              "or choose groups that go together") from None
     if is_dataclass(target):
         # Dataclass targets (the backends) also get their field types checked.
         try:
@@ -164,9 +182,56 @@ def build(node: DictConfig, key: str, *args: Any) -> Any:
             raise ConfigError(f"{key}.{e.key}: {e.msg.splitlines()[0]}") from None
     try:
         built = hydra.utils.instantiate(node, _convert_="all")
-        return built(*args) if args else built
     except InstantiationException as e:
         cause = e.__cause__ or e
         if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
             raise ConfigError(f"{key} ({node._target_}): {cause}") from None
         raise
+    if not args:
+        return built
+    try:
+        return built(*args)
+    except Exception as e:  # torch.optim's own argument checks, or a value they did not expect
+        raise ConfigError(refused(node, key, target, args, e)) from None
+
+
+def how_to_drop(key: str, name: str, target: str) -> str:
+    """How to get rid of a key the target does not take. Typically `model._target_=pkg.MyNet` on
+    the command line keeps the default group file's keys (model.in_features): delete one with
+    `~`, or, cleaner, give the class a config file of its own in the user's config folder."""
+    if key not in ("backend", "model", "data", "optimizer"):
+        return ""  # e.g. backend.engine: the engine's own conf/backend file is wrong
+    stem = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", target.rsplit(".", 1)[-1]).lower()
+    return (f"; drop it with ~{key}.{name}, or give {target} a config file of its own "
+            f"({key}/{stem}.yaml in a folder passed with --config-dir, then {key}={stem})")
+
+
+# What torch.optim's constructors accept for the arguments they check (torch/optim/*.py).
+TORCH_OPTIM_ALLOWED = {"lr": "a number, 0 or more", "eps": "a number, 0 or more",
+                       "weight_decay": "a number, 0 or more", "momentum": "a number, 0 or more",
+                       "betas": "two numbers in [0, 1)"}
+
+
+def refused(node: DictConfig, key: str, target: Any, args: tuple, error: Exception) -> str:
+    """The message for a value the target's constructor refused, naming the key when one value
+    alone is refused: each given value is tried on its own, the others left at their defaults
+    (cheap for an optimizer; values refused only together name no key)."""
+    reason = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    values = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not str(k).startswith("_")}
+    signature = inspect.signature(target)
+    try:
+        target(*args)  # all defaults: when this fails too (no parameters at all), no key is to blame
+    except Exception:
+        return f"{key} ({node._target_}): {reason}"
+    for name, value in values.items():
+        try:
+            signature.bind(*args, **{name: value})
+        except TypeError:
+            continue  # the target needs more keys than this one: no verdict on it alone
+        try:
+            target(*args, **{name: value})
+        except Exception:
+            allowed = TORCH_OPTIM_ALLOWED.get(name) if target.__module__.startswith("torch.optim") else None
+            return (f"{key}.{name}={shown(value)} ({node._target_}): {reason}"
+                    + (f"; allowed: {allowed}" if allowed else ""))
+    return f"{key} ({node._target_}): {reason}"

@@ -54,6 +54,70 @@ BAD_INPUT = [
     (["model._target_=orchestrate.tasks.models.Nope"], "model._target_"),
     (["trainer.batch_size=5000"], "trainer.batch_size=5000 x 1 worker(s) is larger than the training set"),
     (["trainer.resume=0123abc"], "trainer.resume=0123abc: no MLflow store at sqlite:///mlflow.db, so no such run"),
+    # Optimizer arguments torch refuses: the optimizer is built once up front, on the model's parameters.
+    (["optimizer.lr=-1"], "optimizer.lr=-1 (torch.optim.AdamW): Invalid learning rate: -1; allowed: a number, 0 or more"),
+    (["optimizer.lr=fast"], "optimizer.lr=fast (torch.optim.AdamW): '<=' not supported"),
+    (["optimizer.betas=[2,0.9]"], "optimizer.betas=[2, 0.9] (torch.optim.AdamW): Invalid beta parameter at index 0: 2; "
+                                  "allowed: two numbers in [0, 1)"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1 (torch.optim.AdamW): Invalid weight_decay value"),
+    (["optimizer=sgd", "optimizer.momentum=-1"], "optimizer.momentum=-1 (torch.optim.SGD): Invalid momentum value: -1"),
+    (["optimizer=sgd", "+optimizer.nesterov=true"], "optimizer.nesterov=true (torch.optim.SGD): Nesterov momentum requires"),
+    (["+optimizer.foo=1"], "optimizer.foo: unknown key for torch.optim.AdamW; allowed keys: lr, betas, eps, weight_decay"),
+    (["backend=ondevice", "optimizer.eps=-1"], "optimizer.eps=-1 (torch.optim.AdamW): Invalid epsilon value: -1"),
+    (["backend=ondevice", "+optimizer.amsgrad=true"], "optimizer.amsgrad=true: ORT's AdamW block ignores it with "
+                                                      "backend=ondevice; allowed: false"),
+    # A model that cannot run on the data: one forward on the data's sample batch, up front.
+    (["model.in_features=10"], "model (orchestrate.tasks.models.MLP) cannot run on data's sample batch of shape [2, 64] "
+                               "(float32): mat1 and mat2 shapes cannot be multiplied (2x64 and 10x256); check the "
+                               "model's sizes (model.in_features=10, model.out_features=10) against the data's "
+                               "(data.num_features=64, data.num_classes=10)"),
+    (["model.out_features=5"], "model (orchestrate.tasks.models.MLP) gives 5 outputs per sample and data.num_classes=10"),
+    (["data=synthetic", "data.target=regression", "data.loss=mse", "model.out_features=1"],
+     "gives 1 outputs per sample and data.num_classes=4 (data.loss=mse)"),
+    (["model=char_transformer", "data=digits"], "model.vocab_size=${data.vocab_size}: Interpolation key 'data.vocab_size' "
+                                                "not found"),
+    (["model=char_transformer", "data=digits", "model.vocab_size=96", "model.block_size=64"],
+     "model (orchestrate.tasks.models.CharTransformer) cannot run on data's sample batch of shape [2, 64] (float32): "
+     "Expected tensor for argument #1 'indices'"),
+    (["model=char_transformer", "data=python_source", "model.block_size=32"],
+     "cannot run on data's sample batch of shape [2, 64] (int64): The size of tensor a (64) must match"),
+    # Backend options outside what the installed ORT supports.
+    (["+backend.options.ORTMODULE_NOPE=1"], "backend.options.ORTMODULE_NOPE: not an option ORTModule "
+                                            "(onnxruntime-training 1.19.2) reads; allowed: ORTMODULE_ONNX_OPSET_VERSION"),
+    (["backend.options.ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=[1]"],
+     "backend.options.ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=[1]: allowed: a string (or a whole number)"),
+    (["backend.options.ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=yes"],
+     "backend.options.ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=yes: ORT reads it with int(); allowed: a whole number"),
+    (["+backend.options.ORTMODULE_FALLBACK_POLICY=FALLBACK_NEVER"],
+     "backend.options.ORTMODULE_FALLBACK_POLICY=FALLBACK_NEVER: allowed: FALLBACK_DISABLE, "),
+    (["+backend.options.ORTMODULE_LOG_LEVEL=INFO"], "backend.options.ORTMODULE_LOG_LEVEL: set backend.log_level instead"),
+    (["backend.log_level=LOUD"], "backend.log_level='LOUD': allowed: VERBOSE, DEVINFO, INFO, WARNING, ERROR, FATAL"),
+    (["backend.intra_op_threads=-1"], "backend.intra_op_threads=-1: allowed: 0 (the default pool) or a number of threads"),
+    (["backend=ondevice", "backend.intra_op_threads=-1"], "backend.intra_op_threads=-1: allowed: 0"),
+    (["backend=ondevice", "backend.opset=99"], "backend.opset=99: allowed: 12 to 20 (torch's exporter knows 7-20, "
+                                               "onnx up to 21, ORT's CrossEntropyLoss block needs 12)"),
+    (["backend=ondevice", "backend.opset=11"], "backend.opset=11: allowed: 12 to 20"),
+    (["backend=ondevice", "model=char_transformer", "data=python_source", "backend.opset=17"],
+     "backend.opset=17: allowed: 12 to 16 (torch's exporter knows 7-20, onnx up to 21, ORT's CrossEntropyLoss block "
+     "needs 12; the model's LayerNorm exports as ONNX LayerNormalization from opset 17"),
+    (["backend=ondevice", "backend.adamw_mode=pytorch"], "backend.adamw_mode='pytorch': allowed: torch, hf"),
+    # A `_target_` override keeps the group file's other keys: the message says how to drop them.
+    (["model._target_=torch.nn.Linear"], "model.hidden: unknown key for torch.nn.Linear; allowed keys: in_features, "
+                                         "out_features, bias, device, dtype; drop it with ~model.hidden, or give "
+                                         "torch.nn.Linear a config file of its own (model/linear.yaml in a folder "
+                                         "passed with --config-dir, then model=linear)"),
+    (["data._target_=orchestrate.tasks.data.PythonSource"],
+     "data.num_features: unknown key for orchestrate.tasks.data.PythonSource; allowed keys: files, block_size, "
+     "vocab_size, max_chars, eval_fraction, loss; drop it with ~data.num_features, or give "
+     "orchestrate.tasks.data.PythonSource a config file of its own (data/python_source.yaml"),
+    (["optimizer._target_=torch.optim.Adagrad"],
+     "optimizer.betas: unknown key for torch.optim.Adagrad; allowed keys: lr, lr_decay, weight_decay, "
+     "initial_accumulator_value, eps, foreach, maximize, differentiable, fused; drop it with ~optimizer.betas, or give "
+     "torch.optim.Adagrad a config file of its own (optimizer/adagrad.yaml in a folder passed with --config-dir, then "
+     "optimizer=adagrad)"),
+    (["backend._target_=orchestrate.backends.torch.TorchBackend"],
+     "backend.allow_spinning: unknown key for orchestrate.backends.torch.TorchBackend; allowed keys: name, "
+     "intra_op_threads; drop it with ~backend.allow_spinning"),
 ]
 
 

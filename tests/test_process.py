@@ -2,12 +2,15 @@
 ORT's options in the environment for its run, and a torch run after it in the same process gets
 PyTorch's default threads and an unchanged environment (as `benchmarks/backends.py` assumes)."""
 
+import io
+import logging
 import os
+import warnings
 
 import pytest
 import torch
 
-from orchestrate import app, process
+from orchestrate import app, ort, process
 
 
 def test_kept_restores_threads_and_environment():
@@ -23,6 +26,29 @@ def test_kept_restores_threads_and_environment():
         assert os.environ["ORCHESTRATE_TEST_CHANGED"] == "before"
     finally:
         os.environ.pop("ORCHESTRATE_TEST_CHANGED", None)
+
+
+def test_kept_restores_how_loud_ort_is():
+    """`ort.quiet` (what an ORT backend's run does first) changes logging process-wide: Python
+    warnings go to logging, console handlers hide ORT's records, ORT's C++ logger is set to the
+    level's severity; ORTModule's logger gets a level. All of it is put back when the run ends."""
+    console = logging.StreamHandler(io.StringIO())
+    root, orttraining = logging.getLogger(), logging.getLogger("orttraining")
+    level, showwarning, severity = orttraining.level, warnings.showwarning, ort.default_severity()
+    root.addHandler(console)
+    try:
+        with process.kept():
+            ort.quiet("ERROR")
+            orttraining.setLevel(logging.WARNING)
+            assert any(isinstance(f, ort.HideOrtOutput) for f in console.filters)
+            assert warnings.showwarning is not showwarning  # captured into logging
+            assert ort.default_severity() == ort.SEVERITIES["ERROR"]
+        assert console.filters == []
+        assert orttraining.level == level
+        assert warnings.showwarning is showwarning
+        assert ort.default_severity() == severity
+    finally:
+        root.removeHandler(console)
 
 
 class ThreadsSeen:

@@ -10,6 +10,7 @@ the gradient graph and an optimizer graph; then the loop `module.train()`, `modu
 """
 
 import fnmatch
+import inspect
 import io
 import tempfile
 from dataclasses import dataclass
@@ -20,10 +21,38 @@ import torch
 
 from orchestrate import losses, ort
 from orchestrate.backends.base import Backend
-from orchestrate.schema import ConfigError, Device, LRSchedule, Precision
+from orchestrate.schema import ConfigError, Device, LRSchedule, Precision, shown, target_of
 
-OPTIMIZERS = ("AdamW", "SGD")  # what ORT's optimizer blocks offer
+# ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
+# learning rate goes to ORT's Optimizer). The config's arguments are checked by that torch class
+# (orchestrate.job.check_optimizer); any other argument would be ignored by ORT.
+OPTIMIZERS = {torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
+              torch.optim.SGD: ("lr", "momentum", "weight_decay")}
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
+
+
+def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
+    """The ONNX opsets `backend.opset` may name with the installed packages, and why: from the
+    opset that introduced SoftmaxCrossEntropyLoss (ORT's CrossEntropyLoss block emits it; below
+    it ORT's gradient builder fails on plain Linear layers too) to the newest that both torch's
+    exporter and onnx know. A model with LayerNorm stops below ONNX's own LayerNormalization op,
+    whose gradient ORT 1.19 cannot build (measured: opsets 17-20 fail in generate_artifacts)."""
+    import onnx.defs
+    from torch.onnx import _constants  # torch names its exporter's opsets nowhere public
+
+    first: dict[str, int] = {}
+    for op in onnx.defs.get_all_schemas_with_history():
+        if op.domain == "" and op.name in ("SoftmaxCrossEntropyLoss", "LayerNormalization"):
+            first[op.name] = min(first.get(op.name, op.since_version), op.since_version)
+    low = max(first["SoftmaxCrossEntropyLoss"], _constants.ONNX_MIN_OPSET)
+    high = min(_constants.ONNX_MAX_OPSET, onnx.defs.onnx_opset_version())
+    why = (f"torch's exporter knows {_constants.ONNX_MIN_OPSET}-{_constants.ONNX_MAX_OPSET}, onnx up to "
+           f"{onnx.defs.onnx_opset_version()}, ORT's CrossEntropyLoss block needs {low}")
+    if any(isinstance(m, torch.nn.LayerNorm) for m in model.modules()):
+        high = min(high, first["LayerNormalization"] - 1)
+        why += (f"; the model's LayerNorm exports as ONNX LayerNormalization from opset {high + 1}, "
+                "which ORT 1.19 cannot differentiate")
+    return low, high, why
 
 
 class _FlatLogits(torch.nn.Module):
@@ -47,6 +76,7 @@ class OnDeviceBackend(Backend):
     # one intra-op thread at 113k: conf/backend/ondevice.yaml sets one thread.
     intra_op_threads: int
     allow_spinning: bool
+    log_level: str  # ORT's output on the console from this level up (ort.LEVELS); the log file has all
     frozen_params: list[str]  # fnmatch patterns of parameter names to freeze
     # ORT's AdamW block defaults to Hugging Face's AdamW (adam_mode=1: weight decay after the update,
     # epsilon before bias correction). `torch` sets adam_mode=0, PyTorch's AdamW, so that backends
@@ -60,15 +90,29 @@ class OnDeviceBackend(Backend):
         if job.data.loss not in losses.LOSSES:
             raise ConfigError(f"data.loss={job.data.loss!r}: the on-device API offers {', '.join(losses.LOSSES)}")
         opt = job.cfg.optimizer
-        kind = opt._target_.rsplit(".", 1)[-1]
-        if kind not in OPTIMIZERS:
+        optimizer = target_of(opt, "optimizer")
+        if optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer._target_={opt._target_}: the on-device API offers torch.optim.AdamW "
                               "and torch.optim.SGD (optimizer=adamw or optimizer=sgd)")
-        if kind == "SGD" and (opt.get("momentum", 0) or opt.get("weight_decay", 0)):
+        defaults = {n: p.default for n, p in inspect.signature(optimizer).parameters.items()}
+        for name in opt:
+            if name in defaults and name not in OPTIMIZERS[optimizer] and opt[name] != defaults[name]:
+                raise ConfigError(f"optimizer.{name}={shown(opt[name])}: ORT's {optimizer.__name__} block ignores "
+                                  f"it with backend=ondevice; allowed: {shown(defaults[name])} (torch's default), "
+                                  "or drop the key")
+        if optimizer is torch.optim.SGD and (opt.get("momentum", 0) or opt.get("weight_decay", 0)):
             raise ConfigError("optimizer.momentum and optimizer.weight_decay must be 0 with backend=ondevice: "
                               "ORT's SGD block is plain SGD")
         if self.adamw_mode not in ADAMW_MODES:
             raise ConfigError(f"backend.adamw_mode={self.adamw_mode!r}: allowed: {', '.join(ADAMW_MODES)}")
+        if self.log_level not in ort.LEVELS:
+            raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
+        if self.intra_op_threads < 0:
+            raise ConfigError(f"backend.intra_op_threads={self.intra_op_threads}: allowed: 0 (ORT's default pool) "
+                              "or a number of threads")
+        low, high, why = opset_range(job.model)
+        if not low <= self.opset <= high:
+            raise ConfigError(f"backend.opset={self.opset}: allowed: {low} to {high} ({why})")
         if job.trainer.precision == Precision.fp16:
             raise ConfigError("trainer.precision=fp16 is not offered by backend=ondevice; allowed: fp32")
         if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in ort.providers():
@@ -134,18 +178,23 @@ class OnDeviceBackend(Backend):
         """The loop. On the runner's workers (`job.parallel`) gradients are all-reduced before each
         optimizer step, or the parameters averaged every `average_every` updates after it
         (`GradientSync`); rank 0 alone evaluates and saves."""
+        ort.quiet(self.log_level)  # ORT's output below backend.log_level: the run's log file only
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
         meter, parallel, t = job.meter, job.parallel, job.trainer
         # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
         folder = (job.out_dir / "artifacts" if parallel.logging
                   else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{parallel.rank}_")))
-        folder, self._prefix = self.generate_artifacts(job, folder)
-        options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions)
-        state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-        module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                        device=t.device.value, session_options=options)
-        optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
+        # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
+        # settings: its lines go through logging (the log file; the console from backend.log_level).
+        with ort.stderr_logged():
+            folder, self._prefix = self.generate_artifacts(job, folder)
+            options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions,
+                                          self.log_level)
+            state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+            module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                            device=t.device.value, session_options=options)
+            optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
         optimizer.set_learning_rate(job.lr * t.lr_factor(0))
         # ORT ships a linear warm-up/decay scheduler; other schedules set the rate by hand each step.
         # onnxruntime-training 1.19.2's Python wrapper hands its two step counts to the C++ side in

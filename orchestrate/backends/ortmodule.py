@@ -9,6 +9,7 @@ model is wrapped and which optimizer steps it.
 """
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -21,10 +22,66 @@ import torch
 
 from orchestrate import ort
 from orchestrate.backends.torch import TorchBackend
-from orchestrate.schema import ConfigError
+from orchestrate.schema import ConfigError, shown
 
 
-LOG_LEVELS = ("VERBOSE", "INFO", "WARNING", "ERROR", "FATAL")
+# The environment options ORT 1.19.2 reads each time an ORTModule is built or exports its graph:
+# _RuntimeOptions._override_from_env_vars in onnxruntime/training/ortmodule/options.py, plus
+# ORTMODULE_FALLBACK_RETRY (_fallback.py) and ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT (the export).
+# int: ORT parses the value with int(); a tuple: the names ORT looks up; str: any text (a path).
+# Options ORT reads once, on import (ORTMODULE_USE_FLASH_ATTENTION, ...), are left out: a second
+# run in the same process (a sweep's trial) would silently go without them.
+ORTMODULE_OPTIONS = {
+    "ORTMODULE_ONNX_OPSET_VERSION": int,
+    "ORTMODULE_CONV_ALGO_SEARCH": ("HEURISTIC", "EXHAUSTIVE"),
+    "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": int,
+    "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": int,
+    "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": int,
+    "ORTMODULE_MEMORY_OPT_LEVEL": int,
+    "ORTMODULE_MEMORY_OPT_CONFIG": str,
+    "ORTMODULE_PRINT_INPUT_DENSITY": int,
+    "ORTMODULE_PRINT_MEMORY_STATS": int,
+    "ORTMODULE_FALLBACK_POLICY": ("FALLBACK_DISABLE", "FALLBACK_FORCE_TORCH_FORWARD", "FALLBACK_FORCE_TORCH_BACKWARD",
+                                  "FALLBACK_UNSUPPORTED_DEVICE", "FALLBACK_UNSUPPORTED_DATA",
+                                  "FALLBACK_UNSUPPORTED_TORCH_MODEL", "FALLBACK_UNSUPPORTED_ONNX_MODEL",
+                                  "FALLBACK_BAD_INITIALIZATION"),
+    "ORTMODULE_SKIPCHECK_POLICY": ("SKIP_CHECK_DISABLED", "SKIP_CHECK_DEVICE", "SKIP_CHECK_BUILD_GRADIENT",
+                                   "SKIP_CHECK_EXECUTION_AGENT"),  # several joined by |
+    "ORTMODULE_USE_TRITON": int,
+    "ORTMODULE_ENABLE_TUNING": int,
+    "ORTMODULE_MAX_TUNING_DURATION_MS": int,
+    "ORTMODULE_TUNING_RESULTS_PATH": str,
+    "ORTMODULE_CACHE_DIR": str,
+    "ORTMODULE_ENABLE_ZERO_STAGE3": int,
+    "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": int,
+    "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": int,
+    "ORTMODULE_FALLBACK_RETRY": str,  # on when "true", "1" or "yes"
+    "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT": int,
+}
+# Options ORT also reads that this backend sets from its own keys.
+SET_FROM_KEYS = {"ORTMODULE_LOG_LEVEL": "backend.log_level", "ORTMODULE_SAVE_ONNX_PATH": "backend.save_onnx"}
+
+
+def check_options(options: dict) -> None:
+    """`backend.options`: names ORTModule reads, with values it can parse (a bad one fails only
+    when ORTModule is built, inside the run)."""
+    for name, value in options.items():
+        key = f"backend.options.{name}"
+        if name in SET_FROM_KEYS:
+            raise ConfigError(f"{key}: set {SET_FROM_KEYS[name]} instead (this backend sets {name} from it)")
+        if name not in ORTMODULE_OPTIONS:
+            raise ConfigError(f"{key}: not an option ORTModule (onnxruntime-training 1.19.2) reads; allowed: "
+                              f"{', '.join(ORTMODULE_OPTIONS)}")
+        # The value becomes an environment variable: text, or a whole number written as text.
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{key}={shown(value)}: allowed: a string (or a whole number), e.g. {name}: \"1\"")
+        kind, text = ORTMODULE_OPTIONS[name], str(value)
+        if kind is int and not text.strip().lstrip("+-").isdigit():
+            raise ConfigError(f"{key}={text}: ORT reads it with int(); allowed: a whole number, e.g. \"1\"")
+        if isinstance(kind, tuple):
+            names = text.split("|") if name == "ORTMODULE_SKIPCHECK_POLICY" else [text]
+            if not set(names) <= set(kind):
+                raise ConfigError(f"{key}={text}: allowed: {', '.join(kind)}")
 
 
 def extensions_built() -> bool:
@@ -65,7 +122,7 @@ class ORTModuleBackend(TorchBackend):
     # ORT's own default sizes the session's thread pool to the physical cores and spins, which made
     # ORTModule 3x slower than eager on a 2-core machine; conf/backend/ortmodule.yaml sets one thread.
     allow_spinning: bool
-    log_level: str  # ORTModule's DebugOptions log level: one of LOG_LEVELS
+    log_level: str  # ORTModule's DebugOptions log level: one of ort.LEVELS
     save_onnx: bool  # save the exported, pre-grad and execution graphs into the run's folder
     options: dict[str, str]  # ORTMODULE_* environment options, for example ORTMODULE_MEMORY_OPT_LEVEL: 1
     fp16_optimizer: bool  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
@@ -73,11 +130,9 @@ class ORTModuleBackend(TorchBackend):
 
     def check(self, job) -> None:
         super().check(job)
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(LOG_LEVELS)}")
-        bad = [k for k in self.options if not k.startswith("ORTMODULE_")]
-        if bad:
-            raise ConfigError(f"backend.options.{bad[0]}: only ORTMODULE_* options are read by ORTModule")
+        if self.log_level not in ort.LEVELS:
+            raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
+        check_options(self.options)
         if self.fp16_optimizer and not torch.cuda.is_available():
             raise ConfigError("backend.fp16_optimizer=true (FP16_Optimizer) needs CUDA, and this machine has none; "
                               "allowed here: backend.fp16_optimizer=false")
@@ -87,6 +142,7 @@ class ORTModuleBackend(TorchBackend):
         # environment is restored when the run ends: orchestrate.process).
         os.environ.update({k: str(v) for k, v in self.options.items()})
         ensure_extensions()
+        ort.quiet(self.log_level)  # ORT's output below backend.log_level: the run's log file only
         from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
 
         debug = DebugOptions(log_level=getattr(LogLevel, self.log_level), save_onnx=self.save_onnx,
@@ -94,6 +150,9 @@ class ORTModuleBackend(TorchBackend):
         if self.save_onnx:
             (job.out_dir / "ortmodule_graphs").mkdir(parents=True, exist_ok=True)
         wrapped = ORTModule(model, debug)
+        # Its logger at WARNING at most: the banner and the exporter's warnings (which ORTModule
+        # collects from the export and logs at WARNING) reach the log file whatever backend.log_level.
+        wrapped._logger.setLevel(min(wrapped._logger.level, logging.WARNING))
         self._set_threads(wrapped)
         return wrapped
 

@@ -31,6 +31,9 @@ class TorchBackend(Backend):
     def check(self, job) -> None:
         if job.data.loss not in losses.LOSSES:
             raise ConfigError(f"data.loss={job.data.loss!r}: allowed: {', '.join(losses.LOSSES)}")
+        if self.intra_op_threads < 0:  # torch.set_num_threads (and ORT's session options) refuse it mid-run
+            raise ConfigError(f"backend.intra_op_threads={self.intra_op_threads}: allowed: 0 (the default pool) "
+                              "or a number of threads")
 
     # The two hooks ORTModule overrides: everything else in the loop is plain PyTorch.
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:

@@ -165,6 +165,7 @@ def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_pat
     (["backend=runner", "backend.average_every=5"], "backend.average_every needs an engine that averages parameters"),
     (["backend=runner", "backend.placement_strategy=RANDOM"], "allowed: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
     (["backend=runner", "backend.max_failures=-1"], "backend.max_failures=-1: must be 0 or more"),
+    (["backend=runner", "backend.log_level=LOUD"], "backend.log_level='LOUD': allowed: VERBOSE, DEVINFO, INFO"),
     (["backend=runner", "backend.use_gpu=true"], "backend.use_gpu=true and trainer.device=cpu disagree"),
     (["backend=runner", "backend.engine=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers"),
     (["backend=ondevice", "trainer.resume=auto"], "backend=ondevice cannot load its checkpoints"),

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import ray_cluster, schema
+from orchestrate import ort, ray_cluster, schema
 from orchestrate.backends.base import Backend
 from orchestrate.schema import ConfigError, Device
 from orchestrate.tracking import absolute_uri
@@ -95,14 +95,16 @@ class RunnerBackend(Backend):
     average_every: int  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
     check_replicas: bool  # log train/replica_divergence (largest parameter gap between ranks)
     mapped_dimensions: dict[str, int]  # ORT's symbolic dimension -> size, handed to ORT engines
+    log_level: str  # handed to ORT engines: ORT's output on the console from this level up (ort.LEVELS)
     distributed = True  # accepts trainer.num_workers and trainer.gradient_accumulation_steps above 1
     resumable = True
 
     def engine_node(self) -> DictConfig:
         """The engine's backend config, sized for one worker: its thread pools get the worker's
-        CPUs, and ORT engines the runner's mapped dimensions."""
+        CPUs, and ORT engines the runner's mapped dimensions and log level."""
         node = engine_config(self.engine)
-        sized = {"intra_op_threads": max(1, int(self.cpus_per_worker)), "mapped_dimensions": self.mapped_dimensions}
+        sized = {"intra_op_threads": max(1, int(self.cpus_per_worker)), "mapped_dimensions": self.mapped_dimensions,
+                 "log_level": self.log_level}
         return OmegaConf.merge(node, {k: v for k, v in sized.items() if k in node})
 
     def check(self, job) -> None:
@@ -114,6 +116,8 @@ class RunnerBackend(Backend):
             raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
                               f"workers; allowed: {', '.join(engines())}")
         engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
+        if self.log_level not in ort.LEVELS:
+            raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         if self.placement_strategy not in STRATEGIES:
             raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
         for key in ("cpus_per_worker", "placement_timeout_s"):

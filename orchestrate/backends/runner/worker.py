@@ -21,6 +21,7 @@ from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.backends.runner.sync import Workers
 
 SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last report
+WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output folder (as Hydra's job log)
 
 
 def worker_loop(config: dict) -> None:
@@ -36,6 +37,7 @@ def worker_loop(config: dict) -> None:
     logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
     remember_engine(cfg.backend.engine, config["engine"])
     torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
@@ -76,6 +78,22 @@ def worker_loop(config: dict) -> None:
             (Path(folder) / SUMMARY_FILE).write_text(json.dumps({"history": job.meter.history, "final": summary}))
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report({"step": job.trainer.max_steps, "done": True}, checkpoint=checkpoint)
+
+
+def log_to_file(path: Path) -> None:
+    """This worker's logging also goes to `path` (created at the first record) when the run's output
+    folder is on this node: what the engine keeps off the console (ORT's output below
+    `backend.log_level`) is kept there, as Hydra's job log keeps the driver's."""
+    if not path.parent.is_dir():
+        return
+    root = logging.getLogger()
+    if not root.handlers:  # logging's last resort printed WARNING and up; with a file handler it would not
+        console = logging.StreamHandler()
+        console.setLevel(logging.WARNING)
+        root.addHandler(console)
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(handler)
 
 
 def resume_state(config: dict) -> dict | None:
