@@ -6,33 +6,15 @@ import subprocess
 import sys
 
 import pytest
-from mlflow.tracking import MlflowClient
 
+from orchestrate import app
 from orchestrate.__main__ import main
-from tests.conftest import BACKENDS, metric_steps
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "orchestrate", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cli_trains_digits(backend, tmp_path):
-    """The README's command on the digits task, with the embedded MLflow store in the cwd."""
-    done = run_cli(f"backend={backend}", "trainer.max_steps=150", "trainer.progress=false", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "MLflow run" in done.stdout and "mlflow ui --backend-store-uri" in done.stdout
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
-    assert run.info.status == "FINISHED"
-    assert run.info.run_id in done.stdout
-    assert run.data.tags["backend"] == backend
-    assert run.data.metrics["final/eval_accuracy"] > 0.9
-    losses = [v for _, v in metric_steps(client, run.info.run_id, "train/loss")]
-    assert losses[-1] < losses[0] / 3
 
 
 BAD_INPUT = [
@@ -139,3 +121,51 @@ def test_bad_input_exit_code_from_a_real_process(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == "error: backend=nope: no such choice; allowed: ondevice, ortmodule, runner, torch"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def user_conf(tmp_path, monkeypatch):
+    """A user's folder with a config group option of their own: conf/model/wide.yaml."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "wide.yaml").write_text(
+        "_target_: orchestrate.tasks.models.MLP\nin_features: ${data.num_features}\nout_features: ${data.num_classes}\n"
+        "hidden: [512]\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("where", [["--config-dir", "conf"], ["--config-dir=conf"], ["hydra.searchpath=[file://conf]"]])
+def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, user_conf, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *where, "model=wider"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: model=wider: no such choice; allowed: char_transformer, mlp, wide"
+    assert sorted(p.name for p in user_conf.iterdir()) == ["conf"]
+
+
+@pytest.mark.parametrize("where", [["--config-dir", "conf"], ["hydra.searchpath=[file://conf]"]])
+def test_a_choice_in_the_users_folder_passes_the_check(where, user_conf):
+    source = app.ConfigSource.from_flags([w for w in where if not w.startswith("hydra.")])
+    cfg = app.load_config([*[w for w in where if w.startswith("hydra.")], "model=wide"], source)
+    assert list(cfg.model.hidden) == [512]
+    app.check(cfg)  # builds it, runs it once on the sample batch
+
+
+def test_a_users_own_primary_config_builds_on_orchestrates(user_conf):
+    (user_conf / "conf" / "train.yaml").write_text(
+        "defaults:\n  - config\n  - override model: wide\n  - _self_\nhydra:\n  searchpath: [pkg://orchestrate.conf]\n"
+        "trainer:\n  max_steps: 7\n")
+    source = app.ConfigSource.from_flags(["--config-path", "conf", "--config-name", "train"])
+    assert source.config_path == str(user_conf / "conf")  # relative to where the user is
+    cfg = app.load_config(["backend=torch"], source)
+    assert cfg.trainer.max_steps == 7 and list(cfg.model.hidden) == [512] and cfg.backend.name == "torch"
+
+
+def test_a_missing_config_folder_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "--config-dir", "my_conf"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: --config-dir my_conf: no such folder ({tmp_path}/my_conf)"
