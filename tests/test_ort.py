@@ -81,33 +81,33 @@ ORT_MARKERS = ("****", "accelerating your model", "DeepSpeed", "Warning", "No CU
                "[orttraining]", "[py.warnings]")
 
 
+def short_run(tmp_path, backend: str, *more: str) -> tuple[str, str]:
+    """A 5-step run of `backend`: (what it printed, its stdout)."""
+    done = run_cli(f"backend={backend}", "trainer.max_steps=5", "trainer.progress=false", *more, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr, done.stdout
+
+
 @pytest.mark.slow
 def test_ortmodule_is_quiet_by_default_and_loud_when_asked(tmp_path):
-    done = run_cli("backend=ortmodule", "trainer.max_steps=5", "trainer.progress=false", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout + done.stderr
+    printed, stdout = short_run(tmp_path, "ortmodule")
     assert [m for m in ORT_MARKERS if m in printed] == [], printed
-    log = full_log(done.stdout)
+    log = full_log(stdout)
     assert log.is_file() and log.parent.parent.parent == tmp_path / "outputs"
     logged = log.read_text()
     for what in ("accelerating your model", "DeepSpeed import error", "FutureWarning"):
         assert what in logged
 
-    done = run_cli("backend=ortmodule", "trainer.max_steps=5", "trainer.progress=false", "backend.log_level=WARNING",
-                   cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout + done.stderr
+    printed, stdout = short_run(tmp_path, "ortmodule", "backend.log_level=WARNING")
     assert "accelerating your model" in printed and "DeepSpeed import error" in printed
-    assert full_log(done.stdout).is_file()
+    assert full_log(stdout).is_file()
 
 
 @pytest.mark.slow
 def test_ondevice_is_quiet_by_default(tmp_path):
-    done = run_cli("backend=ondevice", "trainer.max_steps=5", "trainer.progress=false", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout + done.stderr
+    printed, stdout = short_run(tmp_path, "ondevice")
     assert [m for m in ORT_MARKERS if m in printed] == [], printed
     assert "[root][INFO]" not in printed  # the artifact builder's "Saved training model to ..."
-    logged = full_log(done.stdout).read_text()
+    logged = full_log(stdout).read_text()
     for what in ("GraphTransformer", "Saved training model", "FutureWarning"):
         assert what in logged
