@@ -45,6 +45,16 @@ def multirun_config(overrides: list[str]):
     return app.load_config(overrides, run_mode=RunMode.MULTIRUN, with_hydra=True)
 
 
+def sweep_runs(folder, experiment: str = "orchestrate"):
+    """(client, parent runs, child runs) of the sweeps in `folder`'s MLflow store (sqlite:///mlflow.db)."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder}/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("orchestrate.role") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
 def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 

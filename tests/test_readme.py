@@ -20,13 +20,15 @@ import textwrap
 import time
 import tomllib
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, sweep_runs
 from tests.helpers import free_port, loopback_cluster
 
 README = (ROOT / "README.md").read_text()
@@ -90,6 +92,46 @@ class Expect:
     tags: dict[str, str] = field(default_factory=dict)  # every run has these (children only for a sweep)
     metrics: dict[str, float] = field(default_factory=dict)  # and these final metric values
     skip: str = ""  # why it is not run here
+    check: Callable[[Path, str], None] | None = None  # more of what the text says: check(folder, printed)
+
+
+# ---- what the README's sweep section says of its commands, beyond runs and tags -------------------
+
+def default_grid_with_nested_runs(folder: Path, printed: str) -> None:
+    """`+sweep` with no experiment: the default grid (lr_grid), one child run per trial under one
+    parent run, which holds the sweep's definition, summary table and chart."""
+    client, (parent,), children = sweep_runs(folder)
+    assert sorted(c.info.run_name for c in children) == ["optimizer.lr=0.001", "optimizer.lr=0.003",
+                                                          "optimizer.lr=0.01"]
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["optimizer.lr"] == child.info.run_name.split("=")[1]
+    assert {"summary.md", "sweep.json", "trials_loss_curves.png"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id)}
+    table = open(client.download_artifacts(parent.info.run_id, "summary.md")).read()
+    assert table.count("| FINISHED |") == 3 and "| optimizer.lr=0.01 | FINISHED |" in printed  # printed too
+
+
+def shootout_is_a_tie_told_apart_by_speed(folder: Path, printed: str) -> None:
+    """Same model, data and seed on three backends: the same final loss, so the summary calls it a
+    tie and says who was fastest; every trial's speed columns are filled."""
+    _, _, children = sweep_runs(folder, "backend_shootout")
+    assert sorted(c.data.tags["backend"] for c in children) == ["ondevice", "ortmodule", "torch"]
+    finals = [c.data.metrics["final/train_loss"] for c in children]
+    assert max(finals) - min(finals) < 1e-3 * max(finals)
+    assert re.search(r"tie: trials 0, 1, 2 reach eval_loss [0-9.]+ within 0\.1%; fastest to it: trial \d "
+                     r"\(backend=\w+, [0-9.]+ s\); highest throughput: trial \d \([0-9,]+ samples/s\)", printed)
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "| FINISHED |" in line]
+    assert len(rows) == 3 and all(all(cell.strip() for cell in row.split("|")[6:9]) for row in rows)
+
+
+def optuna_draws_from_the_search_space(folder: Path, printed: str) -> None:
+    """Optuna over learning rate (log-uniform in [1e-4, 3e-2]) and batch size (32, 64, 128)."""
+    _, _, children = sweep_runs(folder, "lr_search")
+    lrs = {c.data.params["optimizer.lr"] for c in children}
+    assert len(lrs) == len(children) and all(1e-4 <= float(v) <= 3e-2 for v in lrs)
+    assert {c.data.params["trainer.batch_size"] for c in children} <= {"32", "64", "128"}
+    assert "best: trial" in printed
 
 
 PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data": "models.Wine"})
@@ -123,13 +165,13 @@ EXPECTED: dict[str, Expect] = {
     # ---- looking at the runs
     "make ui": Expect(extra=(), says=()),  # serves http://127.0.0.1:5000 (checked in its own test)
     # ---- sweeps
-    "python -m orchestrate backend=ortmodule +sweep": Expect(runs=4, says=("sweep summary",),
-                                                             tags={"backend": "ortmodule"}),
-    "python -m orchestrate +experiment=backend_shootout +sweep": Expect(runs=4, experiment="backend_shootout",
-                                                                        says=("sweep summary",)),
+    "python -m orchestrate backend=ortmodule +sweep": Expect(
+        runs=4, says=("sweep summary",), tags={"backend": "ortmodule"}, check=default_grid_with_nested_runs),
+    "python -m orchestrate +experiment=backend_shootout +sweep": Expect(
+        runs=4, experiment="backend_shootout", says=("sweep summary",), check=shootout_is_a_tie_told_apart_by_speed),
     "python -m orchestrate +experiment=lr_search +sweep": Expect(
-        extra=(*SHORT, "hydra.sweeper.n_trials=2"), runs=3, experiment="lr_search", says=("sweep summary",),
-        tags={"backend": "ondevice"}),
+        extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
+        tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space),
     "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ondevice": Expect(runs=5, says=("sweep summary",)),
     "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
         says=("backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0),
@@ -200,13 +242,31 @@ def mlflow_runs(folder: Path, experiment: str) -> list:
 RUNNABLE = [c for c, e in EXPECTED.items() if not e.skip and not c.startswith(SEPARATE)]
 
 
+@pytest.fixture(scope="module")
+def ran(installed_wheel, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every runnable README command, run CONCURRENT at a time: they are independent (each in its
+    own folder, with its own MLflow store and, where it uses Ray, its own local Ray instance), and
+    most of a short command's time is start-up and waiting. Command -> (its folder, its result)."""
+
+    def one(command: str) -> tuple[Path, subprocess.CompletedProcess]:
+        expect = EXPECTED[command]
+        folder = tmp_path_factory.mktemp("readme")
+        folder = write_project(folder) if expect.where == "project" else folder
+        env = {**installed_wheel.env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
+        return folder, run(command, folder, env, expect.extra)
+
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        return dict(zip(RUNNABLE, pool.map(one, RUNNABLE)))
+
+
+CONCURRENT = 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUNNABLE)
-def test_the_command_does_what_the_readme_says(command, installed_wheel, tmp_path):
+def test_the_command_does_what_the_readme_says(command, ran):
     expect = EXPECTED[command]
-    env = {**installed_wheel.env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
-    folder = write_project(tmp_path) if expect.where == "project" else tmp_path
-    done = run(command, folder, env, expect.extra)
+    folder, done = ran[command]
     printed = done.stdout + done.stderr
     assert done.returncode == expect.code, printed[-4000:]
     for text in expect.says:
@@ -216,14 +276,16 @@ def test_the_command_does_what_the_readme_says(command, installed_wheel, tmp_pat
         assert len(runs) == expect.runs, [r.info.run_name for r in runs]
         assert all(r.info.status == "FINISHED" for r in runs)
         trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags] or runs
-        client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
         for r in trials:
             assert expect.tags.items() <= r.data.tags.items(), r.data.tags
             assert r.data.tags["version.orchestrate"] == VERSION
             for key, value in expect.metrics.items():
                 assert r.data.metrics.get(key) == value, (key, r.data.metrics)
-            losses = [m.value for m in sorted(client.get_metric_history(r.info.run_id, "train/loss"), key=lambda m: m.step)]
+            history = MlflowClient(f"sqlite:///{folder}/mlflow.db").get_metric_history(r.info.run_id, "train/loss")
+            losses = [m.value for m in sorted(history, key=lambda m: m.step)]
             assert len(losses) < 2 or losses[-1] < losses[0], losses  # it trained
+    if expect.check is not None:
+        expect.check(folder, printed)
     if expect.code != 0:
         assert list(folder.iterdir()) == []  # refused before anything was written
 

@@ -12,9 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, metric_steps
+from tests.conftest import ROOT, metric_steps, sweep_runs as runs_of
 
 pytestmark = pytest.mark.slow
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
@@ -39,15 +38,6 @@ def sweep(*args: str, cwd, in_process: bool = False) -> subprocess.CompletedProc
     command = ["-c", IN_PROCESS] if in_process else ["-m", "orchestrate"]
     return subprocess.run([sys.executable, *command, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)
-
-
-def runs_of(cwd, experiment: str = "orchestrate"):
-    client = MlflowClient(tracking_uri=f"sqlite:///{cwd}/mlflow.db")
-    exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], max_results=1000)
-    parents = [r for r in runs if r.data.tags.get("orchestrate.role") == "sweep"]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    return client, parents, children
 
 
 # ---- the same small sweep on every launcher ----------------------------------------------------
@@ -120,54 +110,6 @@ def test_an_in_process_sweep_leaves_the_environment_as_it_was(small_sweep):
 
 
 # ---- sweeps on orchestrate's Ray launcher (the default) -----------------------------------------
-
-def test_bare_sweep_command_runs_the_default_grid_with_nested_runs(tmp_path):
-    done = sweep("backend=ortmodule", "+sweep", *QUICK, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    client, (parent,), children = runs_of(tmp_path)
-    assert parent.info.status == "FINISHED"
-    assert sorted(c.info.run_name for c in children) == ["optimizer.lr=0.001", "optimizer.lr=0.003",
-                                                          "optimizer.lr=0.01"]
-    for child in children:
-        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert child.data.tags["backend"] == "ortmodule"
-        assert child.data.params["optimizer.lr"] == child.info.run_name.split("=")[1]
-        assert child.info.status == "FINISHED"
-    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"summary.md", "sweep.json", "trials_loss_curves.png"} <= artifacts
-    table = client.download_artifacts(parent.info.run_id, "summary.md")
-    assert open(table).read().count("| FINISHED |") == 3
-    assert "| optimizer.lr=0.01 | FINISHED |" in done.stdout  # the same table, printed
-
-
-def test_backend_shootout_grid_over_three_backends(tmp_path):
-    done = sweep("+experiment=backend_shootout", "+sweep", *QUICK, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    client, (parent,), children = runs_of(tmp_path, "backend_shootout")
-    assert sorted(c.data.tags["backend"] for c in children) == ["ondevice", "ortmodule", "torch"]
-    # Same model, data and seed: the backends agree on the final loss...
-    finals = [c.data.metrics["final/train_loss"] for c in children]
-    assert max(finals) - min(finals) < 1e-3 * max(finals)
-    # ...so the summary calls it a tie and tells them apart by speed.
-    assert re.search(r"tie: trials 0, 1, 2 reach eval_loss [0-9.]+ within 0\.1%; fastest to it: trial \d "
-                     r"\(backend=\w+, [0-9.]+ s\); highest throughput: trial \d \([0-9,]+ samples/s\)", done.stdout)
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| FINISHED |" in line]
-    assert len(rows) == 3
-    for row in rows:  # time to the target, samples/s, step time: filled for every trial
-        assert all(cell.strip() for cell in row.split("|")[6:9]), row
-
-
-def test_optuna_sweep(tmp_path):
-    done = sweep("+experiment=lr_search", "+sweep", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", *QUICK,
-                 cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    client, (parent,), children = runs_of(tmp_path, "lr_search")
-    assert len(children) == 4
-    lrs = {c.data.params["optimizer.lr"] for c in children}
-    assert len(lrs) == 4 and all(1e-4 <= float(v) <= 3e-2 for v in lrs)
-    assert {c.data.params["trainer.batch_size"] for c in children} <= {"32", "64", "128"}
-    assert "best: trial" in done.stdout
-
 
 FAILING = ["-m", "backend=torch", "model._target_=tests.helpers.FailingMLP", "+model.fail_at_call=5,1000000000"]
 
