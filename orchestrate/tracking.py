@@ -49,6 +49,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def installed_packages() -> str:
+    """`name==version` of every installed distribution, as `pip freeze` lists them (read from the
+    packages' metadata: a `pip freeze` subprocess cost 0.8 s of every run's start)."""
+    found = {(d.metadata["Name"] or "").lower(): d.version for d in importlib.metadata.distributions()}
+    return "".join(f"{name}=={version}\n" for name, version in sorted(found.items()) if name)
+
+
 def versions() -> dict[str, str]:
     found = {}
     found["orchestrate"] = orchestrate.__version__
@@ -141,8 +148,7 @@ class Tracker(RunLogger):
                 mlflow.log_params(dict(items[i : i + 100]))
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
-            (Path(tmp) / "requirements-freeze.txt").write_text(freeze)
+            (Path(tmp) / "requirements-freeze.txt").write_text(installed_packages())
             self.log_artifacts(Path(tmp))
 
     def __enter__(self) -> "Tracker":

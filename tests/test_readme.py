@@ -134,6 +134,11 @@ def optuna_draws_from_the_search_space(folder: Path, printed: str) -> None:
     assert "best: trial" in printed
 
 
+def nothing_ran(folder: Path, printed: str) -> None:
+    """`+dry_run`: the plan only: no MLflow store, no sweep summary."""
+    assert not (folder / "mlflow.db").exists() and "sweep summary" not in printed
+
+
 PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data": "models.Wine"})
 EXPECTED: dict[str, Expect] = {
     # ---- the two commands, and the package used directly
@@ -174,7 +179,8 @@ EXPECTED: dict[str, Expect] = {
         tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space),
     "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ondevice": Expect(runs=5, says=("sweep summary",)),
     "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
-        says=("backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0),
+        says=("plan: 3 trial(s)", "backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0,
+        check=nothing_ran),
     "python -m orchestrate -m hydra/launcher=submitit_slurm hydra.launcher.partition=P hydra.launcher.account=A "
     "hydra.launcher.timeout_min=120 hydra.launcher.cpus_per_task=4 hydra.launcher.gpus_per_node=1 "
     "hydra.launcher.mem_gb=16 hydra.launcher.setup=[source .venv/bin/activate] tracking.uri=http://MLFLOW_HOST:5000 "
@@ -243,7 +249,7 @@ RUNNABLE = [c for c, e in EXPECTED.items() if not e.skip and not c.startswith(SE
 
 
 @pytest.fixture(scope="module")
-def ran(installed_wheel, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def ran(installed_wheel, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """Every runnable README command, run CONCURRENT at a time: they are independent (each in its
     own folder, with its own MLflow store and, where it uses Ray, its own local Ray instance), and
     most of a short command's time is start-up and waiting. Command -> (its folder, its result)."""
@@ -255,8 +261,11 @@ def ran(installed_wheel, tmp_path_factory) -> dict[str, tuple[Path, subprocess.C
         env = {**installed_wheel.env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
         return folder, run(command, folder, env, expect.extra)
 
+    # Only the commands this pytest session selected (`-k` picks some).
+    chosen = [c for c in RUNNABLE if any(getattr(item, "callspec", None) and item.callspec.params.get("command") == c
+                                         for item in request.session.items)]
     with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
-        return dict(zip(RUNNABLE, pool.map(one, RUNNABLE)))
+        return dict(zip(chosen, pool.map(one, chosen)))
 
 
 CONCURRENT = 3

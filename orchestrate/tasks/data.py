@@ -4,6 +4,7 @@ A data set is any object that has what `DataSet` names (the loops call nothing e
 `TensorData` (or write your own class) and point `data._target_` at it.
 """
 
+import importlib.util
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,13 +99,17 @@ class Digits(TensorData):
 
     def __init__(self, num_features: int = 64, num_classes: int = 10, eval_fraction: float = 0.2,
                  seed: int = 0, loss: str = "cross_entropy"):
-        from sklearn.datasets import load_digits
-
         if (num_features, num_classes) != (64, 10):
             raise ValueError("data.num_features and data.num_classes are fixed for digits: 64 and 10")
-        bunch = load_digits()
-        x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
-        y = torch.tensor(bunch.target, dtype=torch.int64)
+        # The file scikit-learn's load_digits reads (pixels 0-16, then the label), read without
+        # importing sklearn.datasets: that import alone took 2.6 s, a run's whole start-up budget.
+        sklearn = importlib.util.find_spec("sklearn")
+        if sklearn is None or not sklearn.submodule_search_locations:
+            raise ValueError("data=digits reads scikit-learn's bundled digits: pip install scikit-learn")
+        table = np.loadtxt(Path(sklearn.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
+                           delimiter=",")
+        x = torch.tensor(table[:, :-1] / 16.0, dtype=torch.float32)
+        y = torch.tensor(table[:, -1], dtype=torch.int64)
         super().__init__(*_split(x, y, eval_fraction, seed), loss=loss)
 
 

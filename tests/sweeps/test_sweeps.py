@@ -193,15 +193,6 @@ def test_eight_concurrent_trials_lose_no_metric(tmp_path):
         assert [s for s, _ in metric_steps(client, child.info.run_id, "eval/loss")] == [10, 20, 30, 40, 50, 60]
 
 
-def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
-    done = sweep("+experiment=backend_shootout", "+sweep", "+dry_run", *QUICK, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "plan: 3 trial(s)" in done.stdout
-    for backend in ("torch", "ortmodule", "ondevice"):
-        assert f"backend={backend}" in done.stdout
-    assert not (tmp_path / "mlflow.db").exists() and "sweep summary" not in done.stdout
-
-
 def test_a_local_sweep_keeps_ray_on_loopback(small_sweep):
     _, done = small_sweep("orchestrate_ray")
     assert done.returncode == 0, done.stderr[-3000:]
