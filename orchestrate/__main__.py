@@ -30,9 +30,8 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     for arg in it:
         if arg.startswith("-"):
             flags.append(arg)
-            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--config-path", "-cp", "--config-name", "-cn",
-                       "--config-dir", "-cd",
-                       "--experimental-rerun") and "=" not in arg:
+            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--experimental-rerun",
+                       *app.ConfigSource.FLAGS) and "=" not in arg:
                 nxt = next(it, None)
                 if nxt is not None:
                     flags.append(nxt)
