@@ -26,6 +26,6 @@ RUN grep -v -e '^onnxruntime-training-cpu' -e '^torch=' -e '^nvidia-' -e '^trito
     && python3.11 -m pip install --no-cache-dir torch==2.6.0 --index-url https://download.pytorch.org/whl/cu118 \
     && python3.11 -m pip install --no-cache-dir -c /tmp/constraints-gpu.txt onnxruntime-training==1.19.2 \
     && python3.11 -m pip install --no-cache-dir -c /tmp/constraints-gpu.txt --no-deps -e . \
-    && python3.11 -m pip install --no-cache-dir -c /tmp/constraints-gpu.txt hydra-core mlflow 'ray[default,train]' scikit-learn matplotlib tqdm ninja \
+    && python3.11 -m pip install --no-cache-dir -c /tmp/constraints-gpu.txt hydra-core mlflow 'ray[default,train]' scikit-learn matplotlib tqdm ninja transformers \
     && python3.11 -m onnxruntime.training.ortmodule.torch_cpp_extensions.install
 ENTRYPOINT ["python3.11", "-m", "orchestrate"]

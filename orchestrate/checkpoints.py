@@ -1,5 +1,8 @@
 """Checkpoints: when to write them, how (atomically, the newest few kept, each logged to MLflow),
-and what a PyTorch checkpoint holds so that a run resumes exactly where it stopped.
+where a run stands at one (`progress`, in every backend's checkpoints), and what a PyTorch
+checkpoint holds so that a run resumes exactly where it stopped. Each backend reads its own
+format back (`Backend.load_checkpoint`): the on-device API's is ORT's CheckpointState
+(`orchestrate.backends.ondevice`).
 
 A checkpoint is written to a temporary name and renamed, so a crash never leaves a half-written
 file where a finished one was expected: the last finished checkpoint always survives.
@@ -58,21 +61,28 @@ class Checkpoints:
         return path
 
 
-# ---- what a PyTorch checkpoint holds --------------------------------------------------------------
-def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler, job, scaler=None) -> None:
-    """Everything a resume needs (the list of ORT's TrainingRunner): the weight-update count, the
-    forward/backward passes done and where they leave the data (round = epoch, index within it),
-    weights, optimizer, schedule and loss-scaler state, and every RNG state."""
+def progress(step: int, job) -> dict[str, int]:
+    """Where the run stands after `step`, as ORT's TrainingRunner counts it: plain ints, which
+    every checkpoint format holds (ORT's CheckpointState as properties)."""
     t = job.trainer
     micro_steps = step * t.gradient_accumulation_steps
     round_, index = job.data.epoch_of(micro_steps, t.batch_size, job.parallel.world_size)
-    np_state = np.random.get_state()
-    torch.save({
+    return {
         "step": step,  # weight updates done (ORT: weight_update_step_count_)
         "micro_steps": micro_steps,  # forward/backward passes done (ORT: step_), also the data position
         "round": round_,  # passes over the training data (ORT: round_)
         "data_index": index,  # next batch within this pass (ORT: training_data_set_index_)
         "world_size": job.parallel.world_size,
+    }
+
+
+# ---- what a PyTorch checkpoint holds --------------------------------------------------------------
+def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler, job, scaler=None) -> None:
+    """Everything a resume needs (the list of ORT's TrainingRunner): the `progress` counts,
+    weights, optimizer, schedule and loss-scaler state, and every RNG state."""
+    np_state = np.random.get_state()
+    torch.save({
+        **progress(step, job),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler else None,

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import schema
-from orchestrate.backends.base import Parallel
+from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
 from orchestrate.tasks.data import DataSet
@@ -53,6 +53,16 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
     if isinstance(classes, int) and (outputs < classes or (outputs > classes and data.loss != "cross_entropy")):
         raise schema.ConfigError(f"model ({target}) gives {outputs} outputs per sample and data.num_classes={classes} "
                                  f"(data.loss={data.loss}); {size_hint(cfg)}")
+    # cross_entropy scores one row of logits per target: a language model (logits per token) needs
+    # per-token targets, a classifier (logits per sample) per-sample ones. Paired the other way, the
+    # first step would fail on "input batch_size (B*T) to match target batch_size (B)".
+    _, targets = data.train_batch(0, len(sample), cfg.trainer.seed)
+    if data.loss == "cross_entropy" and out.dim() >= 1 and tuple(out.shape[:-1]) != tuple(targets.shape):
+        raise schema.ConfigError(
+            f"model ({target}) gives logits of shape {list(out.shape)} for data's batch of {len(sample)}, whose "
+            f"targets have shape {list(targets.shape)}: data.loss=cross_entropy needs one row of logits per target "
+            "(a model that scores every position, such as a language model, needs per-position targets, e.g. "
+            "data=python_source; a classifier needs one target per sample)")
 
 
 def size_hint(cfg: DictConfig) -> str:
@@ -103,7 +113,7 @@ class Job:
         backend.check_workers(job)
         if cfg.trainer.resume and not backend.resumable:
             raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
-                                     "checkpoints to continue; allowed with backend=torch, ortmodule or runner")
+                                     f"checkpoints to continue; allowed with backend={', '.join(backends('resumable'))}")
         backend.check(job)
         try:
             job.train_batch(1)  # the data set can serve this batch size

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -17,9 +18,6 @@ class Loss:
     torch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model output, targets) -> scalar
     ort_block: Callable[[], Any]  # -> an `artifacts.LossType` member or an onnxblock Block
     accuracy: Callable[[torch.Tensor, torch.Tensor], float] | None  # (output, targets) -> share correct
-    # ORT's CrossEntropyLoss block takes (N, C) logits and (N,) labels: a language model's
-    # (B, T, C) output and (B, T) labels are flattened for it.
-    flattens: bool = False
 
 
 def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -35,6 +33,34 @@ def _ort_loss(name: str) -> Callable[[], Any]:
         return getattr(artifacts.LossType, name)
 
     return block
+
+
+def cross_entropy_block():
+    """ORT's CrossEntropyLoss block (ONNX SoftmaxCrossEntropyLoss) takes the classes from dimension
+    1, (N, C) or (N, C, d1, ...): a language model's (B, T, C) logits would be read as T classes
+    at C positions, which its (B, T) labels do not fit. So logits of rank 3 and up are flattened to
+    (B*T, C), and the labels to (B*T,), inside the loss: the model keeps its own output, and the
+    exported model.onnx is the same as the other backends'."""
+    import onnx
+    from onnxruntime.training.onnxblock import Block, loss
+
+    class FlatCrossEntropy(Block):
+        def build(self, logits: str, labels: str = "labels") -> str:
+            (output,) = [o for o in self.base.graph.output if o.name == logits]
+            dims = [d.dim_param or d.dim_value for d in output.type.tensor_type.shape.dim]
+            if len(dims) <= 2:  # (N, C) already: ORT's block as it is
+                return loss.CrossEntropyLoss()(logits, labels)
+            graph = self.base.graph
+            # The labels input: the logits' shape without the class dimension, int64.
+            graph.input.append(onnx.helper.make_tensor_value_info(labels, onnx.TensorProto.INT64, dims[:-1]))
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), "flat_shape"))
+            graph.node.extend([
+                onnx.helper.make_node("Flatten", [logits], ["logits_flat"], axis=len(dims) - 1),
+                onnx.helper.make_node("Reshape", [labels, "flat_shape"], ["labels_flat"]),
+            ])
+            return loss.CrossEntropyLoss()("logits_flat", "labels_flat")
+
+    return FlatCrossEntropy()
 
 
 def stable_bce_with_logits():
@@ -55,8 +81,8 @@ def stable_bce_with_logits():
 
 
 LOSSES = {loss.name: loss for loss in [
-    Loss("cross_entropy", _cross_entropy, _ort_loss("CrossEntropyLoss"),
-         lambda out, y: (out.argmax(dim=-1) == y).float().mean().item(), flattens=True),
+    Loss("cross_entropy", _cross_entropy, cross_entropy_block,
+         lambda out, y: (out.argmax(dim=-1) == y).float().mean().item()),
     Loss("mse", F.mse_loss, _ort_loss("MSELoss"), None),
     Loss("bce_with_logits", F.binary_cross_entropy_with_logits, stable_bce_with_logits,
          lambda out, y: ((out > 0).float() == y).float().mean().item()),

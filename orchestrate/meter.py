@@ -7,6 +7,7 @@ TensorBoard. Every backend's loop reports through it, so every backend logs the 
   eval/loss, eval/accuracy                                       every trainer.evaluation_period
 """
 
+import bisect
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ class Meter:
         self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.final: dict[str, float] = {}
-        self.logged_through: dict[str, int] = {}  # a resumed run: last step in MLflow, per metric
+        self.logged_steps: dict[str, set[int]] = {}  # a resumed run: the steps MLflow holds, per metric
         self.tensorboard = None  # trainer.tensorboard: a SummaryWriter, opened at the first metric
         self._timed_steps, self._timed_seconds = 0, 0.0
 
@@ -96,20 +97,22 @@ class Meter:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Keep `metrics` in the history and send them to MLflow (and TensorBoard)."""
-        if self.logged_through:
-            metrics = {k: v for k, v in metrics.items() if step > self.logged_through.get(k, -1)}
+        if self.logged_steps:
+            metrics = {k: v for k, v in metrics.items() if step not in self.logged_steps.get(k, ())}
         for k, v in metrics.items():
-            self.history.setdefault(k, []).append((step, v))
+            bisect.insort(self.history.setdefault(k, []), (step, v))  # an append, but for a gap a resume fills
         if self.tracker is not None and metrics:
             self.tracker.log_metrics(metrics, step)
             if self.trainer.tensorboard:
                 self._tensorboard(metrics, step)
 
     def continue_history(self, logged: dict[str, list[tuple[int, float]]]) -> None:
-        """A resumed run: take over the curves already in MLflow, and log no step of them again
-        (the steps between the last checkpoint and a crash were logged before it)."""
+        """A resumed run: take over the curves already in MLflow, and log no step of them again.
+        Steps between the last checkpoint and a crash may be there, but not necessarily all of
+        them: MLflow's asynchronous logging writes its batches from several threads, and a killed
+        process left steps 21 and 23 in the store without 22. So every step not there is logged."""
         self.history = {k: list(v) for k, v in logged.items()}
-        self.logged_through = {k: v[-1][0] for k, v in logged.items() if v}
+        self.logged_steps = {k: {s for s, _ in v} for k, v in logged.items()}
 
     def summary(self) -> dict[str, float]:
         """The final metrics: last train loss, last eval, throughput and step time over the timed steps."""

@@ -131,7 +131,11 @@ class Tracker(RunLogger):
         uri = given[0] if given else cfg.tracking.uri
         mlflow.set_tracking_uri(uri)
         if resume_run_id:
-            # The same run goes on: its params are this config already (config_key matched).
+            # The same run goes on: its params are this config already (config_key matched). MLflow
+            # refuses to start a run outside the process's active experiment (an earlier run in this
+            # process may have set another one): make the run's own experiment the active one.
+            experiment_id = mlflow.tracking.MlflowClient(uri).get_run(resume_run_id).info.experiment_id
+            mlflow.set_experiment(experiment_id=experiment_id)
             run = mlflow.start_run(run_id=resume_run_id)
         elif given:
             run = mlflow.start_run(run_id=given[1])

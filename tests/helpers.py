@@ -1,5 +1,6 @@
-"""Test helpers: a model that fails on purpose (importable as `tests.helpers` by Ray workers when
-PYTHONPATH holds the repository), and a real multi-node Ray cluster on 127.0.0.1."""
+"""Test helpers: models and data that fail or kill their process on purpose, a model with dropout
+(importable as `tests.helpers` by Ray workers when PYTHONPATH holds the repository), and a real
+multi-node Ray cluster on 127.0.0.1."""
 
 import contextlib
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrate.tasks.data import Synthetic
 from orchestrate.tasks.models import MLP
 
 
@@ -35,28 +37,43 @@ class FailingMLP(MLP):
         return super().forward(x)
 
 
-class KillingMLP(MLP):
-    """An MLP that kills its own process with SIGKILL at forward call `kill_at_call` on rank
-    `rank` of the runner's workers, once: the marker file is removed first (and its pid written to
-    `<marker>.killed`), so the restarted workers train on. Unlike a killer watching from outside, it dies at the same step however
-    fast the machine is."""
+class KillingData(Synthetic):
+    """The synthetic data set, which kills its own process with SIGKILL when rank `rank` asks for
+    global batch `kill_at` (0-based: step kill_at + 1 without accumulation), once (the marker
+    file is removed first, and the pid written to `<marker>.killed`). Batches are served in
+    Python by every backend, so this also kills an on-device run, whose model runs inside ORT.
+    Every batch it serves on that rank is appended to `<marker>.served` (`served_twice`)."""
 
-    def __init__(self, in_features: int, out_features: int, hidden=(32,), kill_at_call: int = 10**9,
-                 rank: int = 1, marker: str = ""):
+    def __init__(self, kill_at: int = 10**9, rank: int = 0, marker: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.kill_at, self.rank, self.marker = kill_at, rank, marker
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        if rank == self.rank and self.marker:
+            if position == self.kill_at and Path(self.marker).exists():
+                Path(self.marker).unlink()
+                Path(f"{self.marker}.killed").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            with open(f"{self.marker}.served", "a") as f:
+                f.write(f"{position}\n")
+        return super().train_batch(position, batch_size, seed, rank, world_size)
+
+
+def served_twice(marker: Path) -> list[int]:
+    """The batches KillingData served twice: those between the checkpoint a killed run went on
+    from and the kill (a run that started over would serve every earlier one twice too). Batch 0
+    is left out: building a job also reads it, to check the data against the model."""
+    served = [int(p) for p in Path(f"{marker}.served").read_text().split()]
+    return sorted({p for p in served if p and served.count(p) == 2})
+
+
+class DropoutMLP(MLP):
+    """An MLP with dropout before its last layer: every training step draws random masks, so a
+    resumed run repeats one that never stopped only if the random stream is resumed too."""
+
+    def __init__(self, in_features: int, out_features: int, hidden=(32,), p: float = 0.2):
         super().__init__(in_features, out_features, hidden)
-        self.kill_at_call, self.rank, self.marker, self.calls = kill_at_call, rank, marker, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if self.training:
-            self.calls += 1
-        if (self.calls == self.kill_at_call and dist.is_initialized() and dist.get_rank() == self.rank
-                and self.marker and Path(self.marker).exists()):
-            Path(self.marker).unlink()
-            Path(f"{self.marker}.killed").write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().forward(x)
+        self.net.insert(len(self.net) - 1, torch.nn.Dropout(p))
 
 
 # ---- a real multi-node Ray cluster on this machine ---------------------------------------------
@@ -124,3 +141,27 @@ def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1, dashboard_port: int
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class CumulativeMLP(MLP):
+    """An MLP whose last layer reads the running sum of the hidden features (torch.cumsum, the
+    ONNX op CumSum), for which ORT 1.19 has no gradient builder."""
+
+    def __init__(self, in_features: int, out_features: int, hidden=(32,)):
+        super().__init__(in_features, out_features, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[-1](torch.cumsum(self.net[:-1](x), dim=-1))
+
+
+def fit_untracked(overrides: list[str], out_dir: Path):
+    """Build the job `overrides` compose and run its backend's loop alone, without an MLflow run
+    (one costs seconds of its own); the process settings the loop changes are put back. Returns
+    the Job: `job.meter.final` holds the final metrics, `job.out_dir / "model.onnx"` the export."""
+    from orchestrate import app, process
+    from orchestrate.job import Job
+
+    job = Job.prepare(app.load_config(overrides), out_dir)
+    with process.kept():
+        job.backend.fit(job)
+    return job

@@ -1,12 +1,21 @@
 """A run's life in MLflow: failures marked FAILED with the error, Ctrl-C marked KILLED, the last
 finished checkpoint intact either way; the character transformer trains on every backend."""
 
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 from orchestrate import app, schema
+from orchestrate.backends.ondevice import OnDeviceBackend
+from orchestrate.job import Job
 from orchestrate.tasks.data import Synthetic
-from tests.conftest import BACKENDS, client_for, metric_steps
+from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
+from tests.helpers import served_twice
 
 
 def fail_at(position: int, error: BaseException):
@@ -83,37 +92,64 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
     assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("runner", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["torch", "ondevice", pytest.param("runner", marks=pytest.mark.slow)])
 def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capsys):
-    """A run dies at step ~27 (checkpoints at 10 and 20); the same command with trainer.resume=auto
-    goes on from step 20 in the same MLflow run: every step once, and the weights of a run that
-    never stopped."""
-    marker = tmp_path / "fail_while_this_exists"
+    """A run is killed with SIGKILL in step 27, after checkpoints at 10 and 20 (its data set kills
+    the process: an on-device model runs inside ORT); the same command with trainer.resume=auto
+    goes on from step 20 in the same MLflow run: every step logged once, and the losses and
+    weights of a run that never stopped, through a linear warm-up and decay and dropout's masks."""
+    marker = tmp_path / "kill_while_this_exists"
     marker.touch()
-    overrides = [f"backend={backend}", "trainer.max_steps=40", "trainer.checkpoint_period=10", "trainer.display_loss_steps=1",
-                 "trainer.evaluation_period=0", "model._target_=tests.helpers.FailingMLP", "+model.fail_at_call=28",
-                 f"+model.marker={marker}"]
+    overrides = [f"backend={backend}", "trainer.max_steps=40", "trainer.checkpoint_period=10",
+                 "trainer.display_loss_steps=1", "trainer.evaluation_period=0", "trainer.lr_schedule=linear",
+                 "trainer.warmup_steps=25", "model._target_=tests.helpers.DropoutMLP", "model.hidden=[32]",
+                 "data._target_=tests.helpers.KillingData", "+data.kill_at=26", f"+data.marker={marker}"]
     if backend == "runner":
         overrides += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=2", "trainer.batch_size=16"]
-    with pytest.raises(Exception):
-        app.train(make_cfg(*overrides), tmp_path / "first")
-    marker.unlink()
+    uri = make_cfg().tracking.uri
+    # The first attempt is a command of its own, the process the data set kills: make_cfg's
+    # settings on its command line, its outputs in tmp_path, tests.helpers importable (Ray's workers too).
+    command = [sys.executable, "-m", "orchestrate", "data=synthetic", "trainer=quick", f"tracking.uri={uri}",
+               *overrides, f"hydra.run.dir={tmp_path / 'first'}"]
+    killed = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                            text=True, timeout=600)
+    assert not marker.exists(), killed.stderr[-2000:]
+    # One process dies with its run; the runner's driver outlives its killed worker and fails the run.
+    assert killed.returncode == (1 if backend == "runner" else -signal.SIGKILL), killed.stderr[-2000:]
+    # The uninterrupted run (its own config: no marker), then the resume, both in this process (the
+    # resume makes its run's experiment the active one, whatever an earlier run here set).
+    reference = app.train(make_cfg(*overrides, "data.marker="), tmp_path / "reference")
     resumed = app.train(make_cfg(*overrides, "trainer.resume=auto"), tmp_path / "second")
     assert f"resuming MLflow run {resumed.run_id} after step 20" in capsys.readouterr().out
-    reference = app.train(make_cfg(*overrides, "tracking.experiment=reference"), tmp_path / "reference")
+    assert served_twice(marker) == list(range(20, 26))  # steps 21-26 ran again, none before
 
-    client = client_for(make_cfg().tracking.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
-    assert run.info.run_id == resumed.run_id and run.info.status == "FINISHED"
+    client = client_for(uri)
+    runs = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted([resumed.run_id, reference.run_id])  # the killed one went on
+    assert client.get_run(resumed.run_id).info.status == "FINISHED"
     steps = metric_steps(client, resumed.run_id, "train/loss")
     assert [s for s, _ in steps] == list(range(1, 41))
     reference_steps = metric_steps(client, reference.run_id, "train/loss")
     assert [v for _, v in steps] == pytest.approx([v for _, v in reference_steps], abs=1e-6)
-    last = torch.load(tmp_path / "second" / "checkpoints" / "step_0000040.pt", weights_only=True)
-    expected = torch.load(tmp_path / "reference" / "checkpoints" / "step_0000040.pt", weights_only=True)
-    assert last["step"] == 40 and last["round"] >= 0 and "rng" in last
-    for k in expected["model"]:
-        torch.testing.assert_close(last["model"][k], expected["model"][k], atol=1e-6, rtol=0)
+    backend_ = schema.build(make_cfg(*overrides).backend, "backend")
+    last, expected = (next((tmp_path / name / "checkpoints").glob("step_0000040*")) for name in ("second", "reference"))
+    state = backend_.load_checkpoint(last)
+    assert (state["step"], state["micro_steps"], state["world_size"]) == (40, 40, 2 if backend == "runner" else 1)
+    trained, uninterrupted = backend_.read_checkpoint(last), backend_.read_checkpoint(expected)
+    assert trained.keys() == uninterrupted.keys()
+    for k in uninterrupted:
+        np.testing.assert_allclose(trained[k], uninterrupted[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+def test_a_backend_that_cannot_resume_is_refused_naming_those_that_can(make_cfg, monkeypatch):
+    """The backends and engines a refusal offers are found from their `resumable` flags."""
+    monkeypatch.setattr(OnDeviceBackend, "resumable", False)
+    with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend=ondevice cannot load its checkpoints "
+                                                 "to continue; allowed with backend=ortmodule, runner, torch$"):
+        Job.prepare(make_cfg("backend=ondevice", "trainer.resume=auto"), "unused")
+    with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend.engine=ondevice cannot continue from "
+                                                 "a checkpoint; allowed engines: ortmodule, torch$"):
+        Job.prepare(make_cfg("backend=runner", "backend.engine=ondevice", "trainer.resume=auto"), "unused")
 
 
 def test_resume_of_a_finished_config_starts_a_new_run(make_cfg, tmp_path):

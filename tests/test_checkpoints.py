@@ -1,9 +1,15 @@
 """Checkpoints: written at their period and after the last step, atomically, the newest kept;
-every worker's `on_save` is called, only the writer writes."""
+every worker's `on_save` is called, only the writer writes; every backend's loads back as a
+state that can travel to the runner's workers."""
 
+import pickle
 from pathlib import Path
 
+import pytest
+
+from orchestrate import checkpoints
 from orchestrate.checkpoints import Checkpoints
+from orchestrate.job import Job
 from orchestrate.schema import TrainerConf
 
 
@@ -41,3 +47,18 @@ def test_only_the_writer_writes_but_every_worker_reports(tmp_path):
         ckpt.save(step, lambda path: Path(path).write_text("x"), suffix=".pt")
     assert saved == [(5, None), (10, None)]
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("backend", ["torch", "ondevice"])
+def test_every_backend_loads_its_checkpoint_as_a_picklable_state_with_where_the_run_stands(backend, make_cfg, tmp_path):
+    """From the file or its bytes (as the runner's workers get it from Ray), a backend's checkpoint
+    loads as a state that pickles (Ray's object store) and holds the same counts in every format."""
+    job = Job.prepare(make_cfg(f"backend={backend}", "trainer.max_steps=7", "trainer.checkpoint_period=0"), tmp_path)
+    job.backend.fit(job)
+    (path,) = (tmp_path / "checkpoints").glob("step_0000007*")
+    state = job.backend.load_checkpoint(path)
+    assert pickle.loads(pickle.dumps(state)).keys() == state.keys()
+    where = checkpoints.progress(7, job)
+    assert where == {"step": 7, "micro_steps": 7, "round": 0, "data_index": 7, "world_size": 1}
+    assert {k: state[k] for k in where} == where
+    assert job.backend.load_checkpoint(path.read_bytes())["step"] == 7

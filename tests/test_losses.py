@@ -32,3 +32,31 @@ def test_every_loss_has_an_ort_block(name):
 def test_an_unknown_loss_names_the_allowed_ones():
     with pytest.raises(ValueError, match="data.loss='huber' is not one of cross_entropy, mse, bce_with_logits, l1"):
         losses.get("huber")
+
+
+def test_ort_cross_entropy_block_flattens_language_model_logits_inside_the_loss(tmp_path):
+    """The on-device training graph's loss on (B, T, C) logits and (B, T) labels is PyTorch's, and
+    the model's own output keeps its shape (B, T, C)."""
+    import io
+
+    import onnx
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 5)  # (B, T, 7) -> (B, T, 5) logits
+    x, y = torch.randn(3, 4, 7), torch.randint(0, 5, (3, 4))
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (x,), buffer, input_names=["input"], output_names=["logits"],
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=15,
+                      do_constant_folding=False)
+    artifacts.generate_artifacts(onnx.load_from_string(buffer.getvalue()), requires_grad=["weight", "bias"],
+                                 loss=losses.get("cross_entropy").ort_block(), artifact_directory=tmp_path,
+                                 additional_output_names=["logits"])
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    module.eval()
+    loss, logits = module(x.numpy(), y.numpy())
+    assert logits.shape == (3, 4, 5)
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(losses.get("cross_entropy").torch(model(x), y).item(), rel=1e-5)

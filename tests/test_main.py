@@ -28,6 +28,8 @@ BAD_INPUT = [
     (["trainer.precision=fp16"], "trainer.precision=fp16 needs CUDA, and this machine has none"),
     (["trainer.device=cuda"], "trainer.device=cuda needs CUDA, and this machine has none"),
     (["backend=ortmodule", "backend.fp16_optimizer=true"], "backend.fp16_optimizer=true (FP16_Optimizer) needs CUDA"),
+    (["model=char_transformer", "data=python_files"],
+     "gives logits of shape [2, 64, 96] for data's batch of 2, whose targets have shape [2]: data.loss=cross_entropy"),
     (["backend=ondevice", "backend.frozen_params=[encoder.*]"], "backend.frozen_params: 'encoder.*' matches no parameter"),
     (["backend=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers torch.optim.AdamW and torch.optim.SGD"),
     (["backend=ondevice", "data=synthetic", "data.loss=huber"], "data.loss='huber' is not one of cross_entropy, mse, bce_with_logits, l1"),
@@ -140,7 +142,7 @@ def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, us
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: model=wider: no such choice; allowed: char_transformer, mlp, wide"
+    assert capsys.readouterr().err.strip() == "error: model=wider: no such choice; allowed: char_transformer, cnn, hf_causal_lm, hf_classifier, mlp, wide"
     assert sorted(p.name for p in user_conf.iterdir()) == ["conf"]
 
 

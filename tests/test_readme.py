@@ -149,6 +149,13 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate backend=torch model=char_transformer data=python_source trainer.batch_size=16": Expect(
         extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,
         tags={"backend": "torch", "model": "orchestrate.tasks.models.CharTransformer"}),
+    # ---- Hugging Face models
+    "python -m orchestrate model=hf_causal_lm data=python_source backend=ondevice": Expect(
+        extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,
+        tags={"backend": "ondevice", "model": "orchestrate.tasks.hf.CausalLM"}),
+    "python -m orchestrate model=hf_classifier data=python_files backend=ortmodule": Expect(
+        extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,
+        tags={"backend": "ortmodule", "model": "orchestrate.tasks.hf.Classifier"}),
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
     # ---- installing elsewhere

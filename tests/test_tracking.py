@@ -51,3 +51,23 @@ def test_the_ui_command_runs_as_printed_when_the_environment_is_not_active(monke
     assert command[1:] == ["ui", "--backend-store-uri", "sqlite:///mlflow.db", "--host", "127.0.0.1", "--port", "5000"]
     done = subprocess.run([command[0], "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "version" in done.stdout
+
+
+def test_a_resumed_run_opens_in_its_own_experiment_whatever_is_active(make_cfg, tmp_path):
+    """MLflow refuses start_run(run_id=...) outside the active experiment: an earlier run in the
+    same process (another experiment) must not stop a resume."""
+    import mlflow
+
+    from orchestrate.tracking import Tracker
+
+    cfg = make_cfg("backend=torch")
+    client = mlflow.tracking.MlflowClient(cfg.tracking.uri)
+    stopped = client.create_run(client.create_experiment("where_it_ran")).info.run_id
+    mlflow.set_tracking_uri(cfg.tracking.uri)
+    mlflow.set_experiment("another")  # what an earlier run in this process left active
+    try:
+        with Tracker(cfg, run_name="x", tags={}, out_dir=tmp_path, resume_run_id=stopped) as tracker:
+            assert tracker.run_id == stopped
+        assert client.get_run(stopped).info.status == "FINISHED"
+    finally:
+        mlflow.set_tracking_uri("")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 
 
 class Backend(ABC):
@@ -20,7 +21,7 @@ class Backend(ABC):
 
     name: str  # the conf/backend file's name; tags the MLflow run and prefixes the progress bar
     distributed = False  # True: runs trainer.num_workers workers itself (the runner)
-    resumable = False  # True: `fit` continues from `job.resume_state` (trainer.resume)
+    resumable = False  # True: `load_checkpoint` reads its checkpoints, `fit` goes on from `job.resume_state`
     data_parallel = False  # True: `fit` runs on the runner's workers (as a `backend.engine`)
     averaging = False  # True: can average parameters every N updates (the runner's `average_every`)
 
@@ -53,6 +54,37 @@ class Backend(ABC):
     @abstractmethod
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         """The model parameters stored in one of this backend's checkpoints, by name."""
+
+    def load_checkpoint(self, source: Path | bytes) -> dict:
+        """One of this backend's checkpoints (its file, or the file's bytes) as `job.resume_state`:
+        everything `fit` needs to go on after the step it holds (`state["step"]`). Only a
+        resumable backend has one. The state must pickle and must not name a file: the runner
+        sends it to workers on other nodes through Ray's object store."""
+        raise NotImplementedError(f"backend={self.name} cannot continue from a checkpoint")
+
+
+def backends(*flags: str) -> list[str]:
+    """The backends (conf/backend names, a user's own folders included) whose class sets every one
+    of `flags`, e.g. `backends("resumable")`: the names a message offers, found rather than listed
+    by hand, so that a new backend file needs no message edited."""
+    from orchestrate import app, schema
+
+    found = []
+    for name in app.group_options("backend"):
+        try:
+            target = schema.target_of(backend_config(name), "backend")
+        except schema.ConfigError:  # a backend file whose class does not import offers nothing
+            continue
+        if all(getattr(target, flag, False) for flag in flags):
+            found.append(name)
+    return found
+
+
+def backend_config(name: str) -> DictConfig:
+    """conf/backend/<name>.yaml as the config composes it (so a user's own backend file works too)."""
+    from orchestrate import app
+
+    return app.load_config([f"backend={name}"]).backend
 
 
 class Parallel:

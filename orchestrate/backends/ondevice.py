@@ -12,6 +12,7 @@ the gradient graph and an optimizer graph; then the loop `module.train()`, `modu
 import fnmatch
 import inspect
 import io
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orchestrate import losses, ort
+from orchestrate import checkpoints, losses, ort, process
 from orchestrate.backends.base import Backend
+from orchestrate.backends.torch import declare_shape
 from orchestrate.schema import ConfigError, Device, LRSchedule, Precision, shown, target_of
 
 # ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
@@ -55,17 +57,64 @@ def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
     return low, high, why
 
 
-class _FlatLogits(torch.nn.Module):
-    """ORT's CrossEntropyLoss block takes (N, C) logits: a language model's (B, T, C) output is
-    flattened before the loss (its labels are flattened to (B*T,) to match)."""
+# BatchNorm's running statistics. torch exports a training-mode BatchNorm as ONNX
+# BatchNormalization(training_mode=1), whose second and third outputs are the updated running mean
+# and variance, and leaves those outputs unused: torch updates its buffers in place, which ONNX
+# cannot say. ORT's artifact builder then keeps the statistics as constants of each graph, frozen
+# at their initial values, and makes the eval graph's node training_mode=0 with its three outputs
+# left on, which ORT 1.19 refuses to load ("This number of op outputs should be 1 when
+# Training_mode = False"). So the statistics become checkpoint state (frozen parameters, shared by
+# the training and eval graphs and exported with the model), the training graph writes the updated
+# ones back into that state after each step, and the eval graph's BatchNorm keeps one output.
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.model(x)
-        return out.reshape(-1, out.shape[-1])
+def running_stats(model) -> list[str]:
+    """The initializers an ONNX model's BatchNormalization nodes read as running mean and variance."""
+    initializers = {i.name for i in model.graph.initializer}
+    return [name for node in model.graph.node if node.op_type == "BatchNormalization"
+            for name in node.input[3:5] if name in initializers]
+
+
+def track_running_stats(path: Path, stats: list[str]) -> None:
+    """Rewrite the training graph at `path` so that each step copies BatchNorm's updated running
+    statistics into their buffers in the checkpoint state, as torch updates its own."""
+    import onnx
+
+    if not stats:
+        return
+    model = onnx.load(str(path))
+    graph = model.graph
+    graph.initializer.append(onnx.helper.make_tensor("running_stats.overwrite", onnx.TensorProto.BOOL, [1], [True]))
+    for node in list(graph.node):
+        # ORT's training transformers turn BatchNormalization into BatchNormInternal (which also
+        # keeps the batch's mean and inverse deviation for the gradient); outputs 1 and 2 stay the
+        # new running mean and variance. InPlaceAccumulatorV2 is the op the artifacts already use
+        # to add each step's gradient into its buffer in the state; with its overwrite flag set it
+        # copies instead of adding. Its output (a flag) needs no consumer: ORT keeps the node.
+        if node.op_type in ("BatchNormalization", "BatchNormInternal") and len(node.output) >= 3:
+            for stat, updated in zip(node.input[3:5], node.output[1:3]):
+                if stat in stats:
+                    graph.node.append(onnx.helper.make_node(
+                        "InPlaceAccumulatorV2", [stat, updated, "running_stats.overwrite"], [f"{stat}.updated"],
+                        name=f"{stat}.update", domain="com.microsoft"))
+    onnx.save(model, str(path))
+
+
+def finish_eval_graph(path: Path, sample: torch.Tensor, logits: torch.Size) -> None:
+    """Rewrite the eval graph at `path`, which model.onnx is cut from (export_model_for_inferencing
+    keeps its graph): BatchNorm in inference mode has one output (the running statistics are only
+    read), and `input` and `logits` declare the shapes torch's export declares."""
+    import onnx
+
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            del node.output[1:]
+    shapes = {"input": sample.shape, "logits": logits}
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name in shapes:
+            declare_shape(value, shapes[value.name])
+    onnx.save(model, str(path))
 
 
 @dataclass
@@ -85,6 +134,7 @@ class OnDeviceBackend(Backend):
     mapped_dimensions: dict[str, int]  # e.g. {batch: 64}: fix a symbolic dimension
     data_parallel = True
     averaging = True
+    resumable = True
 
     def check(self, job) -> None:
         if job.data.loss not in losses.LOSSES:
@@ -123,26 +173,74 @@ class OnDeviceBackend(Backend):
                 raise ConfigError(f"backend.frozen_params: {pattern!r} matches no parameter; parameters: {', '.join(names)}")
         if names and all(any(fnmatch.fnmatch(n, p) for p in self.frozen_params) for n in names):
             raise ConfigError("backend.frozen_params freezes every parameter: nothing would train")
+        for name, m in job.model.named_modules():
+            # torch's export for training gets both wrong: momentum=None (a cumulative average) is
+            # traced as one fixed momentum, silently; a BatchNorm without running statistics does
+            # not export with a symbolic batch size.
+            batch_norm = isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            if batch_norm and (m.momentum is None or not m.track_running_stats):
+                raise ConfigError(f"model={job.cfg.model._target_}: its BatchNorm {name} has momentum={m.momentum} and "
+                                  f"track_running_stats={m.track_running_stats}; backend=ondevice trains BatchNorm "
+                                  "with running statistics and a momentum number (torch's default: 0.1)")
+        self.check_gradients(job)
 
-    def generate_artifacts(self, job, folder: Path) -> tuple[Path, str]:
+    def check_gradients(self, job) -> None:
+        """Build the artifacts once, into a folder thrown away. ORT 1.19 has no gradient for some
+        ops torch exports (measured: CumSum, Einsum, Atan, Softplus, Elu, PRelu, HardSwish,
+        ReduceMax from amax, InstanceNormalization from GroupNorm), and its artifact builder
+        would otherwise stop inside the run. ORT publishes no list of the ops it can differentiate,
+        so the check is the build itself, the same one `fit` runs: it cannot disagree with it.
+        Costs one more build per run (measured on 2 busy cores: 0.08 s for the digits MLP, about
+        0.6 s for char_transformer); the imports it does first are no longer paid in `fit`."""
+        import onnxruntime
+
+        # ORT's output as in `fit` (the console from backend.log_level up), put back afterwards:
+        # no run is open yet.
+        with process.kept(), tempfile.TemporaryDirectory() as folder:
+            ort.quiet(self.log_level)
+            try:
+                with ort.stderr_logged():
+                    self.generate_artifacts(job, Path(folder))
+            except RuntimeError as e:
+                found = re.search(r"gradient builder has not been registered: (\S+) for node (\S+)", str(e))
+                if found is None:
+                    raise
+                raise ConfigError(f"model={job.cfg.model._target_} cannot train with backend=ondevice: ORT "
+                                  f"{onnxruntime.__version__} has no gradient for the ONNX op {found[1]} (node "
+                                  f"{found[2]} of the exported model); allowed: a model without it, or backend=torch"
+                                  ) from None
+
+    def generate_artifacts(self, job, folder: Path) -> None:
         """Export the model and build the training, eval and optimizer graphs plus the initial
-        checkpoint into `folder`. Returns the folder and the prefix of parameter names in it."""
+        checkpoint into `folder` (which names the model's own parameters and BatchNorm statistics)."""
         import onnx
         from onnxruntime.training import artifacts, onnxblock
 
-        model, sample, loss = job.model, job.data.sample_input(), losses.get(job.data.loss)
-        prefix = ""
+        model, sample = job.model, job.data.sample_input()
+        model.eval()
         with torch.no_grad():
-            if loss.flattens and model(sample).dim() > 2:
-                model, prefix = _FlatLogits(model), "model."
+            logits = model(sample).shape  # declared in the eval graph, as torch's export declares it
         buffer = io.BytesIO()
+        # The exporter traces one training-mode forward on the sample batch: BatchNorm updates its
+        # running statistics from it (in the model, and so in the exported initializers), Dropout
+        # draws from torch's RNG. Both are put back: the artifacts start from the model as built.
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
         model.train()
-        torch.onnx.export(model, (sample,), buffer, input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=self.opset,
-                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, export_params=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.onnx.export(model, (sample,), buffer, input_names=["input"], output_names=["logits"],
+                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=self.opset,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                              export_params=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
         onnx_model = onnx.load_from_string(buffer.getvalue())
+        for tensor in onnx_model.graph.initializer:
+            if tensor.name in buffers:
+                tensor.CopyFrom(onnx.numpy_helper.from_array(buffers[tensor.name].numpy(), tensor.name))
+        stats = running_stats(onnx_model)
 
-        names = [n for n, _ in job.model.named_parameters()]
+        names = [n for n, _ in model.named_parameters()]
         frozen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in self.frozen_params)]
         opt = job.cfg.optimizer
         if opt._target_.endswith("AdamW"):
@@ -153,15 +251,16 @@ class OnDeviceBackend(Backend):
         folder.mkdir(parents=True, exist_ok=True)
         artifacts.generate_artifacts(
             onnx_model,
-            requires_grad=[prefix + n for n in names if n not in frozen],
-            frozen_params=[prefix + n for n in frozen],
-            loss=loss.ort_block(),
+            requires_grad=[n for n in names if n not in frozen],
+            frozen_params=frozen + stats,
+            loss=losses.get(job.data.loss).ort_block(),
             optimizer=optimizer,
             artifact_directory=folder,
             additional_output_names=["logits"],
         )
+        track_running_stats(folder / "training_model.onnx", stats)
+        finish_eval_graph(folder / "eval_model.onnx", sample, logits)
         self._set_adamw_mode(folder / "optimizer_model.onnx")
-        return folder, prefix
 
     def _set_adamw_mode(self, path: Path) -> None:
         """The onnxblock hard-codes adam_mode=1; the op itself offers both modes."""
@@ -177,41 +276,53 @@ class OnDeviceBackend(Backend):
     def fit(self, job) -> None:
         """The loop. On the runner's workers (`job.parallel`) gradients are all-reduced before each
         optimizer step, or the parameters averaged every `average_every` updates after it
-        (`GradientSync`); rank 0 alone evaluates and saves."""
+        (`GradientSync`); rank 0 alone evaluates and saves. A resumed run (`job.resume_state`)
+        starts from its checkpoint's CheckpointState instead of the initial one."""
         ort.quiet(self.log_level)  # ORT's output below backend.log_level: the run's log file only
+        from onnxruntime import set_seed
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
-        meter, parallel, t = job.meter, job.parallel, job.trainer
+        meter, parallel, t, resume = job.meter, job.parallel, job.trainer, job.resume_state
         # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
         folder = (job.out_dir / "artifacts" if parallel.logging
                   else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{parallel.rank}_")))
         # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
         # settings: its lines go through logging (the log file; the console from backend.log_level).
         with ort.stderr_logged():
-            folder, self._prefix = self.generate_artifacts(job, folder)
+            self.generate_artifacts(job, folder)
             options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions,
                                           self.log_level)
-            state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+            # The parameters generate_artifacts started from, or the resumed run's. An Optimizer
+            # built over a state that holds optimizer state takes it up: AdamW's moments and the
+            # step count (measured: the resumed run then repeats the uninterrupted one exactly).
+            state = (self.load_state(resume["checkpoint"]) if resume is not None
+                     else CheckpointState.load_checkpoint(str(folder / "checkpoint")))
             module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
                             device=t.device.value, session_options=options)
             optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
-        optimizer.set_learning_rate(job.lr * t.lr_factor(0))
+        done = resume["step"] if resume is not None else 0
+        optimizer.set_learning_rate(job.lr * t.lr_factor(done))
         # ORT ships a linear warm-up/decay scheduler; other schedules set the rate by hand each step.
-        # onnxruntime-training 1.19.2's Python wrapper hands its two step counts to the C++ side in
-        # the wrong order (measured: warmup 3 of 10 steps ran as warmup 10 of 3), so they are passed
-        # swapped here; tests/backends/test_parity.py checks the rates against torch's LambdaLR.
+        # It reads its position from the optimizer state's step count, when built and at each step,
+        # so a resumed run's rate goes on where it stopped. onnxruntime-training 1.19.2's Python
+        # wrapper hands its two step counts to the C++ side in the wrong order (measured: warmup 3 of
+        # 10 steps ran as warmup 10 of 3), so they are passed swapped here;
+        # tests/backends/test_parity.py checks the rates against torch's LambdaLR.
         scheduler = (LinearLRScheduler(optimizer, t.max_steps, t.warmup_steps, job.lr)
                      if t.lr_schedule == LRSchedule.linear else None)
-        flat = self._prefix == "model."  # labels flattened to match _FlatLogits
         K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
         sync = GradientSync(job)
         module.train()
 
-        for step in meter.steps():
+        for step in meter.steps(start=done + 1):
+            # ORT's Dropout draws from one process-wide generator, whose position no checkpoint
+            # holds; set_seed restarts it. Seeded from (seed, step) at every step, a step draws the
+            # same masks in a resumed run as in one that never stopped (and in any two runs).
+            set_seed((t.seed * 2**32 + step) % 2**63)
             loss_sum = 0.0
             for micro in range(K):  # each train step adds its gradients to ORT's buffers
                 x, y = job.train_batch(step, micro)
-                loss, _ = module(x.numpy(), (y.reshape(-1) if flat else y).numpy())
+                loss, _ = module(x.numpy(), y.numpy())
                 loss_sum += float(loss)
             sync.before_update(step, state)  # all-reduce the gradients across workers
             optimizer.step()
@@ -224,20 +335,19 @@ class OnDeviceBackend(Backend):
             sync.after_update(step, module)  # or average the parameters every N updates
 
             meter.record(step, loss_sum / K)
-            meter.evaluate(step, lambda: self.evaluate(module, job, flat))
-            job.checkpoints.save(step, lambda path: CheckpointState.save_checkpoint(
-                state, str(path), include_optimizer_state=True), suffix=".ckpt")
+            meter.evaluate(step, lambda: self.evaluate(module, job))
+            job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt")
 
         if parallel.logging:
             job.export_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
 
-    def evaluate(self, module, job, flat: bool) -> tuple[float, float | None]:
-        """Forward only, through the eval graph that shares the training parameters."""
+    def evaluate(self, module, job) -> tuple[float, float | None]:
+        """Forward only, through the eval graph that shares the training parameters (and the
+        BatchNorm statistics)."""
         module.eval()
         loss = losses.get(job.data.loss)
         total, loss_sum, acc_sum = 0, 0.0, 0.0
         for x, y in job.data.eval_batches(job.trainer.eval_batch_size):
-            y = y.reshape(-1) if flat else y
             value, logits = module(x.numpy(), y.numpy())
             loss_sum += float(value) * len(x)
             if loss.accuracy is not None:
@@ -250,8 +360,35 @@ class OnDeviceBackend(Backend):
         from onnxruntime.training.api import CheckpointState
 
         state = CheckpointState.load_checkpoint(str(path))
-        prefix = getattr(self, "_prefix", "")
-        return {name[len(prefix):] if name.startswith(prefix) else name: p.data for name, p in state.parameters}
+        return {name: p.data for name, p in state.parameters}
+
+    @staticmethod
+    def save_checkpoint(path: Path, state, step: int, job) -> None:
+        """ORT's CheckpointState with the optimizer state (AdamW's moments and step count) and, as
+        its properties (ints, floats and strings), where the run stands (`checkpoints.progress`)."""
+        from onnxruntime.training.api import CheckpointState
+
+        for key, value in checkpoints.progress(step, job).items():
+            state.properties[key] = value
+        CheckpointState.save_checkpoint(state, str(path), include_optimizer_state=True)
+
+    def load_checkpoint(self, source: Path | bytes) -> dict:
+        """The checkpoint's properties (`step` and the rest of `checkpoints.progress`) and the file
+        itself as bytes, which `fit` builds its CheckpointState from: bytes pickle and reach a
+        runner worker on another node, where a path on this one would not."""
+        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        return {**dict(self.load_state(data).properties), "checkpoint": data}
+
+    @staticmethod
+    def load_state(data: bytes):
+        """ORT's CheckpointState from a checkpoint file's bytes: ORT 1.19 reads one from a path
+        only, and holds it in memory once read (the file can go)."""
+        from onnxruntime.training.api import CheckpointState
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "checkpoint"
+            path.write_bytes(data)
+            return CheckpointState.load_checkpoint(str(path))
 
 
 class GradientSync:

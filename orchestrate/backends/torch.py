@@ -97,6 +97,9 @@ class TorchBackend(Backend):
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         return checkpoints.torch_parameters(path)
 
+    def load_checkpoint(self, source: Path | bytes) -> dict:
+        return checkpoints.load_torch(source)
+
 
 def make_scheduler(optimizer: torch.optim.Optimizer, trainer):
     """The trainer's schedule as a LambdaLR, or None when the rate is constant (LambdaLR costs tens
@@ -136,10 +139,32 @@ def evaluate(model: torch.nn.Module, job) -> tuple[float, float | None]:
 
 
 def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset: int = 17) -> None:
-    """Export for inference with a dynamic batch dimension, input `input`, output `logits`."""
+    """Export for inference with a dynamic batch dimension, input `input`, output `logits`, whose
+    shapes the graph declares as the model gives them (`declare_shape`)."""
+    import onnx
+
     was_training = model.training
     model.eval()
+    with torch.no_grad():
+        logits = model(sample)
     torch.onnx.export(model, (sample,), str(path), input_names=["input"], output_names=["logits"],
                       dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
                       training=torch.onnx.TrainingMode.EVAL, export_params=True)
     model.train(was_training)
+    exported = onnx.load(str(path))
+    declare_shape(exported.graph.input[0], sample.shape)
+    declare_shape(exported.graph.output[0], logits.shape)
+    onnx.save(exported, str(path))
+
+
+def declare_shape(value, shape) -> None:
+    """Declare the shape of an ONNX graph input or output (a ValueInfoProto): the first dimension
+    symbolic (`batch`), the others `shape`'s. Exporters leave some of them symbolic where they
+    cannot follow the size (torch's tracer: a language model's sequence length; ORT's eval graph:
+    a Hugging Face classifier's classes): with the sizes written in, model.onnx reads the same
+    whichever backend wrote it."""
+    dims = value.type.tensor_type.shape.dim
+    del dims[:]
+    dims.add().dim_param = "batch"
+    for size in shape[1:]:
+        dims.add().dim_value = size

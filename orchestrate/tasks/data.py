@@ -141,26 +141,37 @@ class Synthetic(TensorData):
 PRINTABLE = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 symbols
 
 
+def read_stdlib(files: list[str]) -> list[str]:
+    """The text of each of `files`, paths inside the Python standard library's folder (which
+    every Python installation carries)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    missing = [f for f in files if not (stdlib / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data.files: {', '.join(missing)} not found in {stdlib}")
+    return [(stdlib / f).read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def encode(text: str, vocab_size: int = len(PRINTABLE)) -> torch.Tensor:
+    """Character ids (int64) in PRINTABLE: a non-ASCII character becomes "?", a control character
+    other than newline (tab, carriage return) a space. `vocab_size` is `data.vocab_size`, checked."""
+    if vocab_size != len(PRINTABLE):
+        raise ValueError(f"data.vocab_size is fixed at {len(PRINTABLE)} (printable ASCII and newline)")
+    lookup = np.full(128, PRINTABLE.index(" "), dtype=np.int64)
+    for i, ch in enumerate(PRINTABLE):
+        lookup[ord(ch)] = i
+    codes = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
+    return torch.from_numpy(lookup[np.minimum(codes, 127)])
+
+
 class PythonSource(TensorData):
-    """Character-level language modelling on the Python standard library's own source files,
-    which every Python installation carries. Characters outside printable ASCII become spaces.
-    Each sample is `block_size` characters; its target is the same window shifted by one."""
+    """Character-level language modelling on the Python standard library's own source files.
+    Each sample is `block_size` characters (`encode`); its target is the same window shifted by one."""
 
     def __init__(self, files: list[str] = ("functools.py", "argparse.py", "inspect.py"),
                  block_size: int = 64, vocab_size: int = 96, max_chars: int = 300_000,
                  eval_fraction: float = 0.1, loss: str = "cross_entropy"):
-        if vocab_size != len(PRINTABLE):
-            raise ValueError(f"data.vocab_size is fixed at {len(PRINTABLE)} (printable ASCII and newline)")
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        missing = [f for f in files if not (stdlib / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"data.files: {', '.join(missing)} not found in {stdlib}")
-        text = "".join((stdlib / f).read_text(encoding="utf-8", errors="replace") for f in files)[:max_chars]
-        lookup = np.full(128, PRINTABLE.index(" "), dtype=np.int64)
-        for i, ch in enumerate(PRINTABLE):
-            lookup[ord(ch)] = i
-        codes = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
-        ids = torch.from_numpy(lookup[np.minimum(codes, 127)])
+        text = "".join(read_stdlib(files))[:max_chars]
+        ids = encode(text, vocab_size)
         n = (len(ids) - 1) // block_size
         x = ids[: n * block_size].view(n, block_size)
         y = ids[1 : n * block_size + 1].view(n, block_size)
@@ -168,6 +179,26 @@ class PythonSource(TensorData):
         # Eval is the tail of the text, not random windows: no overlap with training windows.
         super().__init__(x[:-n_eval], y[:-n_eval], x[-n_eval:], y[-n_eval:], loss=loss)
         self.text_chars = len(text)
+
+
+class PythonFiles(TensorData):
+    """Sequence classification: which of `files` (Python standard library sources) a window of
+    `block_size` characters (`encode`) was cut from; the label is the file's place in `files`.
+    Every file gives the same number of windows (the shortest file's, at most `max_chars` of each
+    file), so the classes are balanced and chance is 1 / num_classes. Windows do not overlap; a
+    seeded random `eval_fraction` of them is the eval split."""
+
+    def __init__(self, files: list[str] = ("argparse.py", "pydoc_data/topics.py", "encodings/cp437.py",
+                                           "html/entities.py"),
+                 num_classes: int = 4, block_size: int = 64, vocab_size: int = 96, max_chars: int = 60_000,
+                 eval_fraction: float = 0.2, seed: int = 0, loss: str = "cross_entropy"):
+        if num_classes != len(files):
+            raise ValueError(f"data.num_classes={num_classes} must be the number of data.files ({len(files)})")
+        ids = [encode(text[:max_chars], vocab_size) for text in read_stdlib(files)]
+        n = min(len(i) for i in ids) // block_size  # windows per file
+        x = torch.cat([i[: n * block_size].view(n, block_size) for i in ids])
+        y = torch.arange(len(files)).repeat_interleave(n)
+        super().__init__(*_split(x, y, eval_fraction, seed), loss=loss)
 
 
 def decode(ids) -> str:

@@ -24,6 +24,32 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class ConvNet(nn.Module):
+    """A small CNN on flat features viewed as square single-channel images (the digits' 64
+    pixels as 8x8): [Conv2d -> BatchNorm2d -> ReLU -> MaxPool2d] per entry of `channels`, then
+    AdaptiveAvgPool2d to one value per channel, Dropout and a Linear head.
+    Input (batch, in_features); output (batch, out_features) logits."""
+
+    def __init__(self, in_features: int, out_features: int, channels: list[int] = (16, 32), dropout: float = 0.1):
+        super().__init__()
+        self.side = math.isqrt(in_features)
+        if self.side * self.side != in_features:
+            raise ValueError(f"model.in_features={in_features} is not a square number: ConvNet views the features "
+                             "as a square image (e.g. 64 = 8x8)")
+        layers: list[nn.Module] = []
+        for a, b in zip([1, *channels], channels):
+            # No conv bias: the BatchNorm right after it subtracts the mean anyway.
+            layers += [nn.Conv2d(a, b, 3, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)  # any image size down to one value per channel
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear([1, *channels][-1], out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x.view(-1, 1, self.side, self.side))
+        return self.head(self.dropout(self.pool(x).flatten(1)))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, block_size: int):
         super().__init__()

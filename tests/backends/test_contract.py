@@ -1,13 +1,19 @@
 """The contract every backend keeps, run over every conf/backend/*.yaml (as Hydra's launchers
-share one LauncherTestSuite): it trains, tracks, checkpoints and exports the same way."""
+share one LauncherTestSuite): it trains, tracks, checkpoints and exports the same way, and every
+shipped model (conf/model/*.yaml) exports the same model.onnx whichever backend trained it."""
+
+import re
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
 
 from orchestrate import app, schema
-from tests.conftest import BACKENDS, client_for, metric_steps
+from orchestrate.backends.torch import export_onnx
+from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
+from tests.helpers import fit_untracked
 
 METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
 
@@ -95,6 +101,63 @@ def test_onnx_model_infers_like_the_trained_model(trained):
     assert accuracy > 0.5  # 4 classes: well above chance after 40 steps
 
 
+def test_onnx_model_has_the_signature_of_torchs_export(trained, tmp_path):
+    _, cfg, result, _ = trained
+    export_onnx(schema.build(cfg.model, "model"), schema.build(cfg.data, "data").sample_input(), tmp_path / "torch.onnx")
+    assert signature(result.out_dir / "model.onnx") == signature(tmp_path / "torch.onnx")
+
+
 def test_backend_config_names_itself(trained):
     backend, cfg, _, _ = trained
     assert cfg.backend.name == backend
+
+
+# ---- every shipped model exports one model.onnx, whatever the backend ----------------------------
+MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+
+
+def paired_data(model: str) -> list[str]:
+    """The data set a model's yaml names in its leading comment ("pair it with data=NAME"), as an
+    override; none (the config's default data) if it names none."""
+    comment = re.match(r"(#.*\n)*", (ROOT / "conf" / "model" / f"{model}.yaml").read_text())[0]  # the leading lines
+    found = re.search(r"data=(\w+)", comment)
+    return [f"data={found[1]}"] if found else []
+
+
+def signature(path) -> list[tuple]:
+    """Each graph input and output of an ONNX file: name, element type, shape (None for a symbolic
+    dimension)."""
+    graph = onnx.load(str(path)).graph
+    return [(kind, v.name, v.type.tensor_type.elem_type, [d.dim_value if d.HasField("dim_value") else None
+                                                          for d in v.type.tensor_type.shape.dim])
+            for kind, values in (("input", graph.input), ("output", graph.output)) for v in values]
+
+
+def single_process(backend: str) -> bool:
+    return not schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend").distributed
+
+
+# Every single-process backend but torch (whose loop ends with export_onnx, the reference) with
+# every model, 2 steps each; the runner's model.onnx is its engine's (the workers run the engine's
+# loop), checked once more here with the BatchNorm model.
+SIGNATURE_CASES = [pytest.param(b, m, (), marks=[pytest.mark.slow] if starts_ort_or_ray(b) else [], id=f"{b}-{m}")
+                   for b in BACKENDS if b != "torch" and single_process(b) for m in MODELS]
+SIGNATURE_CASES += [pytest.param("runner", "cnn", ("backend.engine=ondevice", "trainer.num_workers=2"),
+                                 marks=pytest.mark.slow, id="runner-ondevice-cnn")]
+
+
+@pytest.mark.parametrize("backend,model,overrides", SIGNATURE_CASES)
+def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, overrides, tmp_path):
+    """Compared with torch's export of the untrained model (what backend=torch writes at its end,
+    test_onnx_model_has_the_signature_of_torchs_export): training changes no shape."""
+    overrides = [f"backend={backend}", f"model={model}", *paired_data(model), "trainer=quick", "trainer.max_steps=2",
+                 "trainer.batch_size=8", "trainer.evaluation_period=0", "trainer.checkpoint_period=0", *overrides]
+    cfg = app.load_config(overrides)
+    export_onnx(schema.build(cfg.model, "model"), schema.build(cfg.data, "data").sample_input(), tmp_path / "torch.onnx")
+    reference = signature(tmp_path / "torch.onnx")
+    assert all(dims and dims[0] is None for *_, dims in reference), reference  # the batch stays symbolic
+    try:
+        job = fit_untracked(overrides, tmp_path / "out")
+    except schema.ConfigError as e:  # refused before any compute: nothing exported to compare
+        pytest.skip(f"backend={backend} refuses model={model}: {e}")
+    assert signature(job.out_dir / "model.onnx") == reference

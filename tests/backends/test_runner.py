@@ -15,7 +15,7 @@ import torch
 from orchestrate import app, checkpoints, ray_cluster, schema
 from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, metric_steps
-from tests.helpers import alive_nodes, loopback_cluster
+from tests.helpers import alive_nodes, loopback_cluster, served_twice
 
 pytestmark = pytest.mark.slow
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
@@ -30,6 +30,13 @@ def local_ray():
     assert started, "a Ray instance was left running by an earlier test"
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    """The reference the equivalence tests compare with: the PyTorch engine, one worker, batch 64
+    (trained once for the module)."""
+    return train(tmp_path_factory.mktemp("one_worker"), "one", "trainer.num_workers=1", "trainer.batch_size=64")
 
 
 def train(tmp_path, name: str, *overrides: str):
@@ -52,55 +59,50 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
-def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical(tmp_path):
+def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical(tmp_path, one_worker):
     two = train(tmp_path, "two", "trainer.num_workers=2", "trainer.batch_size=32", "trainer.display_loss_steps=1")
-    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(final_weights(two), final_weights(one), atol=1e-5)
+    assert_same(final_weights(two), final_weights(one_worker), atol=1e-5)
     # After every update both ranks held the same parameters (all-reduced max - min of every one).
     divergence = metric_steps(client_for(f"sqlite:///{tmp_path}/mlflow.db"), two.run_id, "train/replica_divergence")
     assert [s for s, _ in divergence] == list(range(1, 13))
     assert all(v == 0.0 for _, v in divergence)
 
 
-def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path):
+def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path, one_worker):
     acc = train(tmp_path, "acc", "trainer.gradient_accumulation_steps=4", "trainer.batch_size=16")
-    big = train(tmp_path, "big", "trainer.batch_size=64")
-    assert_same(final_weights(acc), final_weights(big), atol=1e-5)
+    assert_same(final_weights(acc), final_weights(one_worker), atol=1e-5)
 
 
-def test_the_weights_moved(tmp_path):
+def test_the_weights_moved(one_worker):
     """Guards the equivalence tests against comparing two untrained models."""
-    trained = final_weights(train(tmp_path, "one", "trainer.batch_size=64"))
+    trained = final_weights(one_worker)
     cfg = app.load_config([*COMMON, "model.hidden=[32]"])
     torch.manual_seed(cfg.trainer.seed)
     initial = schema.build(cfg.model, "model").state_dict()
     assert not torch.allclose(trained["net.0.weight"], initial["net.0.weight"])
 
 
-def test_ortmodule_engine_two_workers_equal_one(tmp_path):
+def test_ortmodule_engine_two_workers_equal_one(tmp_path, one_worker):
     """DDP(ORTModule(model)): the same equivalence, within 1e-4."""
     two = train(tmp_path, "two", "backend.engine=ortmodule", "trainer.num_workers=2", "trainer.batch_size=32")
-    one = train(tmp_path, "one", "backend.engine=torch", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(final_weights(two), final_weights(one), atol=1e-4)
+    assert_same(final_weights(two), final_weights(one_worker), atol=1e-4)
 
 
-def test_ondevice_engine_all_reduces_gradients(tmp_path):
+def test_ondevice_engine_all_reduces_gradients(tmp_path, one_worker):
     """ORT's gradient buffers, all-reduced in place: 2 workers x B (with 2 micro-batches each)
     equal the PyTorch engine on one worker with 4B."""
     two = train(tmp_path, "two", "backend.engine=ondevice", "trainer.num_workers=2", "trainer.batch_size=16",
                 "trainer.gradient_accumulation_steps=2")
-    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(final_weights(two), final_weights(one), atol=1e-5)
+    assert_same(final_weights(two), final_weights(one_worker), atol=1e-5)
 
 
-def test_ondevice_engine_federated_averaging(tmp_path):
+def test_ondevice_engine_federated_averaging(tmp_path, one_worker):
     """Averaging the parameters after every SGD update is the same as all-reducing the gradients;
     averaging every 4th update lets the ranks drift apart in between, and the divergence metric
     shows it."""
     every_step = train(tmp_path, "avg1", "backend.engine=ondevice", "backend.average_every=1",
                        "trainer.num_workers=2", "trainer.batch_size=32")
-    one = train(tmp_path, "one", "trainer.num_workers=1", "trainer.batch_size=64")
-    assert_same(final_weights(every_step), final_weights(one), atol=1e-5)
+    assert_same(final_weights(every_step), final_weights(one_worker), atol=1e-5)
 
     every_4th = train(tmp_path, "avg4", "backend.engine=ondevice", "backend.average_every=4",
                       "trainer.num_workers=2", "trainer.batch_size=32", "trainer.display_loss_steps=1")
@@ -111,17 +113,25 @@ def test_ondevice_engine_federated_averaging(tmp_path):
 
 
 def test_a_killed_worker_restarts_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
-    """SIGKILL to rank 1 at step 45 (the model kills its own worker process, once): Ray Train
+    """SIGKILL to rank 1 in step 45 (its data set kills the worker process, once): Ray Train
     restarts both workers from the latest checkpoint (step 40), the run finishes, MLflow holds
-    every step once, and the weights equal an uninterrupted run's."""
+    every step once, and losses and weights equal an uninterrupted run's, the learning rate's
+    warm-up and decay included. With the on-device engine, whose checkpoint (ORT's
+    CheckpointState and optimizer state) has the most to restore; the workers read any engine's
+    checkpoint through the same `Backend.load_checkpoint` (the PyTorch engine's: test_app's
+    runner resume and test_checkpoints)."""
+    engine = "ondevice"
     marker = tmp_path / "kill_while_this_exists"
     marker.touch()
-    overrides = ["trainer.batch_size=16", "trainer.num_workers=2", "trainer.max_steps=100",
-                 "trainer.checkpoint_period=20", "trainer.display_loss_steps=1", "optimizer=adamw",
-                 "optimizer.lr=0.003", "model._target_=tests.helpers.KillingMLP", "+model.kill_at_call=45"]
-    result = train(tmp_path, "killed", *overrides, f"+model.marker={marker}")
+    overrides = [f"backend.engine={engine}", "backend.max_failures=1", "trainer.batch_size=16",
+                 "trainer.num_workers=2", "trainer.max_steps=100", "trainer.checkpoint_period=20",
+                 "trainer.display_loss_steps=1", "trainer.lr_schedule=linear", "trainer.warmup_steps=50",
+                 "optimizer=adamw", "optimizer.lr=0.003", "data._target_=tests.helpers.KillingData",
+                 "+data.kill_at=44", "+data.rank=1"]
+    result = train(tmp_path, "killed", *overrides, f"+data.marker={marker}")
     assert not marker.exists(), "the worker was never killed"
-    reference = train(tmp_path, "reference", *overrides, "+model.marker=", "tracking.experiment=reference")
+    assert served_twice(marker) == list(range(40, 44))  # rank 1 went on after step 40, not from the start
+    reference = train(tmp_path, "reference", *overrides, "+data.marker=", "tracking.experiment=reference")
 
     client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(result.run_id)
@@ -168,7 +178,6 @@ def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_pat
     (["backend=runner", "backend.log_level=LOUD"], "backend.log_level='LOUD': allowed: VERBOSE, DEVINFO, INFO"),
     (["backend=runner", "backend.use_gpu=true"], "backend.use_gpu=true and trainer.device=cpu disagree"),
     (["backend=runner", "backend.engine=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers"),
-    (["backend=ondevice", "trainer.resume=auto"], "backend=ondevice cannot load its checkpoints"),
 ])
 def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

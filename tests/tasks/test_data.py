@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrate.tasks.data import PRINTABLE, Digits, PythonSource, Synthetic, decode
+from orchestrate.tasks.data import PRINTABLE, Digits, PythonFiles, PythonSource, Synthetic, decode, encode, read_stdlib
 
 
 def test_batches_repeat_for_the_same_seed_and_differ_across_epochs():
@@ -41,6 +41,24 @@ def test_python_source_windows_are_shifted_by_one_character():
     assert torch.equal(x[1:], y[:-1])
     assert "def " in decode(data.x_train[:50].reshape(-1))
     assert int(data.x_train.max()) < len(PRINTABLE) == 96
+
+
+def test_encoding_keeps_printable_ascii_and_newlines():
+    assert decode(encode("def f():\n\treturn 'caf\u00e9'")) == "def f():\n return 'caf?'"
+    with pytest.raises(ValueError, match="data.vocab_size is fixed at 96"):
+        encode("x", vocab_size=128)
+
+
+def test_python_files_windows_are_labelled_by_their_file_and_balanced():
+    files = ["argparse.py", "encodings/cp437.py"]
+    data = PythonFiles(files=files, num_classes=2, block_size=32, max_chars=8000)
+    texts = [decode(encode(text[:8000])) for text in read_stdlib(files)]
+    x, y = torch.cat([data.x_train, data.x_eval]), torch.cat([data.y_train, data.y_eval])
+    assert y.bincount().tolist() == [250, 250]  # 8000 characters of each file: 250 windows of 32
+    for window, label in zip(x, y):
+        assert decode(window) in texts[label]
+    with pytest.raises(ValueError, match="data.num_classes=3 must be the number of data.files"):
+        PythonFiles(files=files, num_classes=3)
 
 
 def test_synthetic_targets_fit_their_losses():

@@ -22,9 +22,14 @@ context (`sync.Workers`):
 
 Faults and resume: rank 0's checkpoints are also reported to Ray Train, so that when a worker
 dies Ray restarts all workers (`backend.max_failures` times) and they go on from the latest one;
-`trainer.resume` continues a stopped run the same way. A checkpoint holds the step counts, the
-data position, the model, optimizer, schedule, loss-scaler and RNG states
-(`orchestrate.checkpoints.save_torch`).
+`trainer.resume` continues a stopped run the same way. A checkpoint is the engine's own, read
+back by the engine's `load_checkpoint`; each holds the step counts and the data position
+(`orchestrate.checkpoints.progress`) beside the training state: the PyTorch engines' the model,
+optimizer, schedule, loss-scaler and RNG states (`orchestrate.checkpoints.save_torch`), the
+on-device engine's ORT's CheckpointState with the optimizer's moments and step count (which
+place the learning-rate schedule). Every worker restarts from rank 0's checkpoint: with
+`backend.average_every` the ranks' parameters and optimizer moments differ between averagings,
+so such a restart hands every rank rank 0's and does not repeat the uninterrupted run exactly.
 """
 
 import contextlib
@@ -39,7 +44,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import ort, ray_cluster, schema
-from orchestrate.backends.base import Backend
+from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.schema import ConfigError, Device
 from orchestrate.tracking import absolute_uri
 
@@ -48,14 +53,13 @@ _ENGINES: dict[str, dict] = {}  # engine name -> its backend config, composed on
 
 
 def engine_config(name: str) -> DictConfig:
-    """conf/backend/<name>.yaml as the config composes it (so a user's own backend file works too)."""
+    """The engine's `backend_config`, composed once per process (`check`, `fit` and
+    `read_checkpoint` each ask), with a ConfigError naming the key when there is no such file."""
     if name not in _ENGINES:
         from hydra.errors import MissingConfigException
 
-        from orchestrate import app
-
         try:
-            node = app.load_config([f"backend={name}"]).backend
+            node = backend_config(name)
         except MissingConfigException:
             raise ConfigError(f"backend.engine={name}: no such backend; allowed: {', '.join(engines())}") from None
         _ENGINES[name] = OmegaConf.to_container(node, resolve=True)
@@ -67,18 +71,9 @@ def remember_engine(name: str, node: dict) -> None:
     _ENGINES[name] = node
 
 
-def engines() -> list[str]:
-    """The backends that can run on the runner's workers (`data_parallel`)."""
-    from orchestrate import app
-
-    found = []
-    for name in app.group_options("backend"):
-        try:
-            if getattr(schema.target_of(engine_config(name), "backend"), "data_parallel", False):
-                found.append(name)
-        except ConfigError:
-            pass
-    return found
+def engines(*flags: str) -> list[str]:
+    """The backends that can run on the runner's workers (`data_parallel`) and set `flags` too."""
+    return backends("data_parallel", *flags)
 
 
 @dataclass
@@ -107,11 +102,15 @@ class RunnerBackend(Backend):
                  "log_level": self.log_level}
         return OmegaConf.merge(node, {k: v for k, v in sized.items() if k in node})
 
+    def engine_backend(self) -> Backend:
+        """The engine, built from its config as each worker builds it."""
+        return schema.build(self.engine_node(), "backend.engine")
+
     def check(self, job) -> None:
         t = job.trainer
         if self.engine == self.name:
             raise ConfigError(f"backend.engine={self.engine}: the runner cannot run itself on its workers")
-        engine = schema.build(self.engine_node(), "backend.engine")
+        engine = self.engine_backend()
         if not engine.data_parallel:
             raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
                               f"workers; allowed: {', '.join(engines())}")
@@ -128,7 +127,7 @@ class RunnerBackend(Backend):
                 raise ConfigError(f"backend.{key}={getattr(self, key)}: must be 0 or more")
         if t.resume and not engine.resumable:
             raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue from a "
-                              "checkpoint yet; allowed engines: ortmodule, torch")
+                              f"checkpoint; allowed engines: {', '.join(engines('resumable'))}")
         if self.average_every and not engine.averaging:
             raise ConfigError(f"backend.average_every needs an engine that averages parameters (backend.engine="
                               f"ondevice); backend.engine={self.engine} all-reduces gradients every update")
@@ -199,4 +198,7 @@ class RunnerBackend(Backend):
         job.meter.final.update(summary["final"])
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
-        return schema.build(self.engine_node(), "backend.engine").read_checkpoint(path)
+        return self.engine_backend().read_checkpoint(path)
+
+    def load_checkpoint(self, source: Path | bytes) -> dict:
+        return self.engine_backend().load_checkpoint(source)  # the workers' checkpoints are the engine's

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from orchestrate.backends.runner.sync import Workers
 
-CHECKPOINT_FILE = "checkpoint.pt"  # the name a reported checkpoint has inside Ray's copy
+# The name a reported checkpoint has inside Ray's copy, whatever the engine's format (its
+# `load_checkpoint` reads it back).
+CHECKPOINT_FILE = "checkpoint"
 
 
 class Reporter:

@@ -52,7 +52,7 @@ def worker_loop(config: dict) -> None:
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
     job.checkpoints.writer = rank == 0
     if engine.resumable:
-        job.resume_state = resume_state(config)
+        job.resume_state = resume_state(config, engine)
     reporter = Reporter(job.parallel)
     job.meter.on_display = reporter.metrics
     if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
@@ -96,19 +96,18 @@ def log_to_file(path: Path) -> None:
     root.addHandler(handler)
 
 
-def resume_state(config: dict) -> dict | None:
-    """After a worker failure: the latest checkpoint Ray holds; else trainer.resume's, if any."""
+def resume_state(config: dict, engine) -> dict | None:
+    """After a worker failure: the latest checkpoint Ray holds (read by the engine that wrote it);
+    else trainer.resume's, if any."""
     import ray
     import ray.train
-
-    from orchestrate.checkpoints import load_torch
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             path = Path(folder) / CHECKPOINT_FILE
             if path.exists():
-                return load_torch(path.read_bytes())
+                return engine.load_checkpoint(path.read_bytes())
     if config["resume"] is not None:  # trainer.resume's checkpoint, loaded by the driver
         return ray.get(config["resume"])
     return None
