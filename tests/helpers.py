@@ -156,12 +156,13 @@ class CumulativeMLP(MLP):
 
 def fit_untracked(overrides: list[str], out_dir: Path):
     """Build the job `overrides` compose and run its backend's loop alone, without an MLflow run
-    (one costs seconds of its own); the process settings the loop changes are put back. Returns
+    (one costs seconds of its own), connected as `app.train` connects it (the runner: a Ray
+    instance, shut down when it started one); the process settings the loop changes are put back. Returns
     the Job: `job.meter.final` holds the final metrics, `job.out_dir / "model.onnx"` the export."""
     from orchestrate import app, process
     from orchestrate.job import Job
 
     job = Job.prepare(app.load_config(overrides), out_dir)
-    with process.kept():
+    with process.kept(), job.backend.connect(job):  # the runner's Ray, started and shut down here
         job.backend.fit(job)
     return job
