@@ -46,15 +46,17 @@ class Checkpoints:
             path = self.folder / f"step_{step:07d}{suffix}"
             tmp = self.folder / f".tmp_step_{step:07d}{suffix}"
             write(tmp)
+            if self.tracker is not None:
+                # Every step up to this checkpoint reaches MLflow before the checkpoint counts (the
+                # rename below): a run resumed from it logs only the steps after it, so none may
+                # still be queued. Flushed after the rename, a kill in between lost steps 390-1000
+                # of a run resumed from step 1000.
+                self.tracker.flush()
             os.replace(tmp, path)
             for old in sorted(self.folder.glob(f"step_*{suffix}"))[: -self.trainer.max_num_checkpoints]:
                 old.unlink()
-            if self.tracker is not None:
-                # Every step up to this checkpoint reaches MLflow before the checkpoint counts: a
-                # run resumed from it logs only the steps after it, so none may still be queued.
-                self.tracker.flush()
-                if self.log_to_tracker:
-                    self.tracker.log_artifact(path, "checkpoints")
+            if self.tracker is not None and self.log_to_tracker:
+                self.tracker.log_artifact(path, "checkpoints")
         if self.on_save is not None:
             self.on_save(step, path)
         self.seconds += time.perf_counter() - began
