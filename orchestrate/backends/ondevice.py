@@ -31,6 +31,9 @@ from orchestrate.schema import ConfigError, Device, LRSchedule, Precision, shown
 OPTIMIZERS = {torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
               torch.optim.SGD: ("lr", "momentum", "weight_decay")}
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
+# The settings whose artifacts built in this process (`check_gradients`): the command line's check
+# and the run's own Job.prepare build the same graphs, so the second one is skipped.
+_GRADIENTS_BUILT: set[str] = set()
 
 
 def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
@@ -193,7 +196,13 @@ class OnDeviceBackend(Backend):
         Costs one more build per run (measured on 2 busy cores: 0.08 s for the digits MLP, about
         0.6 s for char_transformer); the imports it does first are no longer paid in `fit`."""
         import onnxruntime
+        from omegaconf import OmegaConf
 
+        # Everything the graphs are built from: the model and data configs, this backend's
+        # settings and the optimizer (its block).
+        key = OmegaConf.to_yaml({k: job.cfg[k] for k in ("model", "data", "backend", "optimizer")}, resolve=True)
+        if key in _GRADIENTS_BUILT:
+            return
         # ORT's output as in `fit` (the console from backend.log_level up), put back afterwards:
         # no run is open yet.
         with process.kept(), tempfile.TemporaryDirectory() as folder:
@@ -209,6 +218,7 @@ class OnDeviceBackend(Backend):
                                   f"{onnxruntime.__version__} has no gradient for the ONNX op {found[1]} (node "
                                   f"{found[2]} of the exported model); allowed: a model without it, or backend=torch"
                                   ) from None
+        _GRADIENTS_BUILT.add(key)
 
     def generate_artifacts(self, job, folder: Path) -> None:
         """Export the model and build the training, eval and optimizer graphs plus the initial
