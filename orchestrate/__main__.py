@@ -1,4 +1,5 @@
 """`python -m orchestrate [overrides]`: check the command line, then hand it to the Hydra app.
+(`orchestrate server` and `orchestrate doctor` are the two other commands: COMMANDS below.)
 
 Bad input (an unknown key or choice, a wrong type, an impossible combination) is caught here by
 composing the config and building its objects once, before Hydra creates an output folder or a
@@ -189,7 +190,19 @@ def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTR
     return out
 
 
+# `orchestrate COMMAND ...`: the commands that are not a training run. Each module has `main(argv)`
+# and is imported only when named (a training run does not pay for them).
+COMMANDS = {
+    "server": "orchestrate.server",  # the team's MLflow server on PostgreSQL, artifacts served
+    "doctor": "orchestrate.doctor",  # will this stack work? one line per check
+}
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        import importlib
+
+        raise SystemExit(importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     try:
         # --config-path, --config-name, --config-dir: the user's own config folders.
         source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
