@@ -20,13 +20,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import orchestrate
+from orchestrate.redact import redact, redacted_yaml
 
 
 VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
 
 
 def flatten(cfg: DictConfig) -> dict[str, str]:
-    """The resolved config as `a.b.c -> value`, the form MLflow params take."""
+    """The resolved config as `a.b.c -> value`, the form MLflow params take, secrets hidden
+    (orchestrate.redact)."""
     out: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -36,7 +38,7 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
         else:
             out[prefix[:-1]] = str(node)[:6000]
 
-    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    walk(redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)), "")
     return out
 
 
@@ -145,13 +147,13 @@ class Tracker(RunLogger):
         super().__init__(uri, run.info.run_id)
         self.set_tags({"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
                        "pid": str(os.getpid()), "out_dir": str(Path(out_dir).resolve()),
-                       **{f"version.{k}": v for k, v in versions().items()}, **tags, **cfg.tracking.tags})
+                       **{f"version.{k}": v for k, v in versions().items()}, **tags, **redact(dict(cfg.tracking.tags))})
         if not resume_run_id:
             items = list(flatten(cfg).items())
             for i in range(0, len(items), 100):
                 mlflow.log_params(dict(items[i : i + 100]))
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (Path(tmp) / "config.yaml").write_text(redacted_yaml(cfg))
             (Path(tmp) / "requirements-freeze.txt").write_text(installed_packages())
             self.log_artifacts(Path(tmp))
 

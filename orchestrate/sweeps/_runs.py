@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import plots
+from orchestrate.redact import redact_override
 from orchestrate.sweeps import _summary, plan
 from orchestrate.sweeps.callbacks import NO_URLS, Handover, set_env
 from orchestrate.tracking import absolute_uri, ui_command
@@ -120,7 +121,7 @@ class Sweep:
         else:
             self.run_id = self.client.create_run(self.experiment_id, run_name=f"sweep-{s.name}",
                                                  tags={SWEEP_KEY: key, "orchestrate.role": "sweep"}).info.run_id
-            definition = {"name": s.name, "command": self.command, "sweeper": sweeper,
+            definition = {"name": s.name, "command": [redact_override(o) for o in self.command], "sweeper": sweeper,
                           "params": {**(sweeper.get("params") or {}), "metric": s.metric}}
             for k, v in list(definition["params"].items())[:100]:
                 self.client.log_param(self.run_id, f"sweep.{k}", str(v)[:6000])
