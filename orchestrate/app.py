@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from orchestrate import plots, process, schema
+from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
 from orchestrate.resume import config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, ui_command
@@ -162,7 +162,8 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     with process.kept(), job.backend.connect(job):
         resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
         if resume is not None:
-            job.resume_state = job.backend.load_checkpoint(resume.fetch(job.out_dir / "checkpoints"))
+            job.resume_state = checkpoints.load_checked(job.backend, job.model,
+                                                        resume.fetch(job.out_dir / "checkpoints"))
             print(f"resuming MLflow run {resume.run_id} after step {resume.step}", flush=True)
         elif cfg.trainer.resume == "auto":
             print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from orchestrate.schema import TrainerConf
+from orchestrate.schema import ConfigError, TrainerConf
 
 
 class Checkpoints:
@@ -61,6 +61,30 @@ class Checkpoints:
             self.on_save(step, path)
         self.seconds += time.perf_counter() - began
         return path
+
+
+def load_checked(backend, model: torch.nn.Module, path: Path) -> dict:
+    """`backend.load_checkpoint(path)` for a resume, refused with one plain message (ConfigError)
+    when the file cannot be continued from: truncated, another format, or another model's weights
+    (the model's code changed since the run began). Checked whole before any weight is loaded, so
+    a refusal never leaves a half-loaded model."""
+    try:
+        stored = backend.read_checkpoint(path)
+        state = backend.load_checkpoint(path)
+    except Exception as e:  # torch's zip reader, pickle, ORT's flatbuffers: each says it differently
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        cause = cause.rsplit("FAIL : ", 1)[-1]  # ORT's errors begin with the C++ source location
+        raise ConfigError(f"checkpoint {path}: not a readable backend={backend.name} checkpoint (truncated, "
+                          f"or written by another backend): {cause[:300]}") from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    differ = [f"{name} {tuple(v.shape)} (model: {expected[name]})" for name, v in stored.items()
+              if name in expected and tuple(v.shape) != expected[name]]
+    differ += [f"{name} (not in the model)" for name in stored if name not in expected]
+    differ += [f"{name} (not in the checkpoint)" for name, _ in model.named_parameters() if name not in stored]
+    if differ:
+        raise ConfigError(f"checkpoint {path}: holds another model's weights ({'; '.join(differ[:3])}"
+                          f"{'; ...' if len(differ) > 3 else ''}); resume with the model it was written by")
+    return state
 
 
 def progress(step: int, job) -> dict[str, int]:

@@ -6,11 +6,12 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from orchestrate import checkpoints, process
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.job import Job
-from orchestrate.schema import TrainerConf
+from orchestrate.schema import ConfigError, TrainerConf
 
 
 def test_period_last_step_and_rotation(tmp_path):
@@ -63,3 +64,16 @@ def test_every_backend_loads_its_checkpoint_as_a_picklable_state_with_where_the_
     assert where == {"step": 7, "micro_steps": 7, "round": 0, "data_index": 7, "world_size": 1}
     assert {k: state[k] for k in where} == where
     assert job.backend.load_checkpoint(path.read_bytes())["step"] == 7
+
+    # What a resume loads is checked whole first: a truncated file and another model's weights are
+    # refused with one message naming the file, and the other model is left untouched.
+    truncated = tmp_path / f"truncated{path.suffix}"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=f"checkpoint {truncated}: not a readable backend={backend} checkpoint"):
+        checkpoints.load_checked(job.backend, job.model, truncated)
+    other = Job.prepare(make_cfg(f"backend={backend}", "model.hidden=[32]"), tmp_path / "other")
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"holds another model's weights \(.*\(model: \("):
+        checkpoints.load_checked(other.backend, other.model, path)
+    assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
+    assert checkpoints.load_checked(job.backend, job.model, path)["step"] == 7
