@@ -109,15 +109,21 @@ def loopback_cluster(nodes: int = 2, cpus_per_node: int = 1, dashboard_port: int
     Yields (address, env for clients)."""
     port = free_port()
     address = f"127.0.0.1:{port}"
+    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM a node otherwise waits up to 30 s for the
+    # detached actor Ray Train leaves behind.
     env = {**(env or os.environ), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     # Its own temp folder (short: Ray's socket paths are length-limited), so that the address file
     # `ray start` leaves behind does not lead a later plain `ray.init()` to this cluster.
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
     common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--num-gpus=0",
               f"--temp-dir={temp_dir}"]
     ray_cli = [sys.executable, "-c", RAY_CLI_ON_LOOPBACK]
-    dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+    # Job submission goes through the head's dashboard agent: on a free port, not Ray's fixed 52365,
+    # which another Ray on this machine may hold (the head's job API then has no agent to use).
+    dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+                  f"--dashboard-agent-listen-port={free_port()}"]
                  if dashboard_port else ["--include-dashboard=false"])
     procs = [subprocess.Popen([*ray_cli, "start", "--head", f"--port={port}", *dashboard, *common],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]

@@ -12,10 +12,12 @@ Placeholders are filled in: HEAD (a Ray head on 127.0.0.1), MLFLOW_HOST:5000 (a 
 127.0.0.1), /shared (a temporary folder).
 """
 
+import importlib
 import os
 import re
 import shlex
 import subprocess
+import sys
 import textwrap
 import time
 import tomllib
@@ -29,7 +31,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, sweep_runs
-from tests.helpers import free_port, loopback_cluster
 
 README = (ROOT / "README.md").read_text()
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -93,7 +94,8 @@ class Expect:
     metrics: dict[str, float] = field(default_factory=dict)  # and these final metric values
     skip: str = ""  # why it is not run here
     check: Callable[[Path, str], None] | None = None  # more of what the text says: check(folder, printed)
-    separate: str = ""  # the test of its own that runs it (it needs a server or a cluster beside it)
+    separate: str = ""  # the test of its own that runs it (it needs a server or a cluster beside it): its
+    # name in this module, or path::name in another (one that shares its cluster with other tests)
 
 
 # ---- what the README's sweep section says of its commands, beyond runs and tags -------------------
@@ -207,7 +209,7 @@ EXPECTED: dict[str, Expect] = {
     "ray job submit --address http://HEAD:8265 --working-dir . -- python -m orchestrate backend=runner "
     "trainer.num_workers=2 backend.placement_strategy=SPREAD tracking.uri=http://MLFLOW_HOST:5000 "
     "backend.storage_path=/shared/ray trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/run1": Expect(
-        separate="test_ray_job_submit_runs_the_runner_on_a_cluster"),  # against a Ray head on 127.0.0.1
+        separate="tests/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
     # ---- GPU: this project's machines cannot install ORT training beside a GPU
     ".venv/bin/pip uninstall -y onnxruntime-training-cpu": Expect(skip="would replace the tested CPU build"),
     ".venv/bin/pip install onnxruntime-training==1.19.2": Expect(skip="GPU build: needs CUDA 11.8"),
@@ -221,10 +223,16 @@ EXPECTED: dict[str, Expect] = {
 def test_every_readme_command_is_checked():
     commands = [c for c, _ in bash_commands()]
     assert sorted(set(commands)) == sorted(EXPECTED), "README.md and EXPECTED disagree"
-    assert all(e.separate in globals() for e in EXPECTED.values() if e.separate)  # those tests exist
+    assert all(separate_test_exists(e.separate) for e in EXPECTED.values() if e.separate)
     assert set(project_files()) >= {"my_project/models.py", "my_project/conf/model/my_net.yaml",
                                     "my_project/conf/data/my_data.yaml"}
     assert len(bad_input_examples()) >= 3
+
+
+def separate_test_exists(name: str) -> bool:
+    path, _, test = name.rpartition("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", ".")) if path else sys.modules[__name__]
+    return callable(getattr(module, test, None))
 
 
 def write_project(folder: Path) -> Path:
@@ -335,25 +343,3 @@ def test_make_ui_serves_the_runs(installed_wheel, tmp_path):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
-
-
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_ray_job_submit_runs_the_runner_on_a_cluster(installed_wheel, mlflow_server, tmp_path):
-    """The README's `ray job submit` command against a Ray head on 127.0.0.1 (its placeholders
-    filled in), with RAY_AUTH_MODE=token as the README exports it."""
-    (command, exported), = [(c, e) for c, e in bash_commands() if c.startswith("ray job submit")]
-    dashboard = free_port()
-    shared = tmp_path / "shared"
-    command = (command.replace("HEAD:8265", f"127.0.0.1:{dashboard}")
-               .replace("http://MLFLOW_HOST:5000", mlflow_server).replace("/shared", str(shared)))
-    project = write_project(tmp_path)
-    with loopback_cluster(nodes=1, cpus_per_node=2, dashboard_port=dashboard,
-                          env=installed_wheel.env) as (_, env):
-        done = run(command, project, {**env, **exported}, extra=SHORT)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert (shared / "outputs" / "run1").is_dir()
-    client = MlflowClient(mlflow_server)
-    runs = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id],
-                              filter_string="tags.backend = 'runner'", order_by=["start_time DESC"], max_results=1)
-    assert runs and runs[0].info.status == "FINISHED" and runs[0].data.metrics["world_size"] == 2
