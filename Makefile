@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test bench ui clean
+.PHONY: setup run test bench ui screenshots clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
 $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
@@ -33,6 +33,12 @@ bench: setup
 
 ui:
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# The README's pictures of the MLflow UI (docs/mlflow_*.png): a backend sweep, then headless Chromium
+# (Debian's `chromium`) driven by Playwright (the `docs` extra).
+screenshots: setup
+	$(BIN)/pip install -q -c $(ROOT)constraints.txt '$(ROOT)[docs]'
+	$(BIN)/python $(ROOT)scripts/mlflow_ui_screenshot.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun mlruns mlartifacts mlflow.db

@@ -160,6 +160,9 @@ EXPECTED: dict[str, Expect] = {
         tags={"backend": "ortmodule", "model": "orchestrate.tasks.hf.Classifier"}),
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
+    # ---- checking the stack
+    "orchestrate doctor": Expect(separate="tests/test_doctor.py::test_healthy_stack_passes_every_check_and_trains_every_backend"),
+    "orchestrate doctor --no-smoke": Expect(extra=(), says=("checks: all OK", "smoke runs skipped"), runs=0),
     # ---- installing elsewhere
     "pip install -c constraints.txt .": Expect(
         skip="downloads the whole stack; the installed_wheel fixture makes this install without the dependencies"),

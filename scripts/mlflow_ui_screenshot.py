@@ -1,0 +1,143 @@
+"""The README's pictures of the MLflow UI, taken in a real headless browser against a real `mlflow ui`:
+a backend sweep is run (`+experiment=backend_shootout +sweep`, shortened), then the experiment's runs
+page and the compare view of its trials are saved to docs/.
+
+    make screenshots            # or: .venv/bin/python scripts/mlflow_ui_screenshot.py [--steps 100]
+
+Needs Chromium (Debian: `apt-get install chromium`) and Playwright's Python client
+(`pip install -c constraints.txt '.[docs]'`); Playwright drives the system's Chromium, it downloads
+no browser. Everything binds 127.0.0.1.
+"""
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXPERIMENT = "backend_shootout"
+# Chromium on a machine with no route out: without these it keeps trying Google's services.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def run_sweep(folder: Path, steps: int) -> str:
+    store = f"sqlite:///{folder}/mlflow.db"
+    subprocess.run([sys.executable, "-m", "orchestrate", "+experiment=backend_shootout", "+sweep",
+                    f"trainer.max_steps={steps}", "trainer.progress=false", f"tracking.uri={store}"],
+                   cwd=folder, check=True, timeout=1200)
+    return store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ui(store: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store,
+                             "--host", "127.0.0.1", "--port", str(port)], cwd=folder,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"mlflow ui did not answer at {url}/health within 120 s")
+            time.sleep(0.5)
+
+
+def open_page(page, address: str, shows: str, tries: int = 3) -> None:
+    """Go to `address` and wait until the page shows `shows`. The UI's first page after a start
+    sometimes renders "Something went wrong" (seen with mlflow 3.17 under load): load it again."""
+    for attempt in range(tries):
+        page.goto(address, wait_until="commit", timeout=120_000)  # the UI keeps polling: no "load" to wait for
+        try:
+            page.get_by_text(shows).first.wait_for(timeout=40_000)
+            return
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            page.reload(wait_until="commit")
+
+
+def shoot(page, url: str, experiment_id: str, trial_ids: list[str]) -> None:
+    open_page(page, f"{url}/#/experiments/{experiment_id}/runs", "sweep-backends")  # the runs table is there
+    page.wait_for_timeout(1500)
+    close = page.get_by_role("button", name="Close")  # the UI's assistant panel, if it opened
+    if close.count():
+        close.first.click()
+    # Open the sweep's row: its trials are nested under it (the expander sits left of the name).
+    box = page.get_by_text("sweep-backends").first.bounding_box()
+    page.mouse.click(box["x"] - 32, box["y"] + box["height"] / 2)
+    page.wait_for_timeout(1500)
+    page.screenshot(path=DOCS / "mlflow_runs.png")
+    query = urllib.parse.urlencode({"runs": json.dumps(trial_ids), "experiments": json.dumps([experiment_id])})
+    open_page(page, f"{url}/#/compare-runs?{query}", "final/eval_loss")
+    page.wait_for_timeout(2500)  # the charts draw after the data arrives
+    page.screenshot(path=DOCS / "mlflow_compare.png", full_page=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150, help="trainer.max_steps of each trial")
+    parser.add_argument("--store", help="an MLflow store that already holds a backend_shootout sweep (no new sweep)")
+    parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    args = parser.parse_args()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("error: Playwright's Python client is missing; pip install -c constraints.txt '.[docs]'",
+              file=sys.stderr)
+        return 2
+    if not Path(args.chromium).exists():
+        print(f"error: no Chromium at {args.chromium}; apt-get install chromium, or --chromium PATH", file=sys.stderr)
+        return 2
+    DOCS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        store = args.store or run_sweep(folder, args.steps)
+        client = MlflowClient(store)
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        trials = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+        ui, url = start_ui(store, folder)
+        try:
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
+                page = browser.new_page(viewport={"width": 1600, "height": 1000})
+                try:
+                    shoot(page, url, experiment.experiment_id, [r.info.run_id for r in trials])
+                except Exception:
+                    page.screenshot(path=folder.parent / "mlflow_ui_failed.png")
+                    print(f"the page at the failure: {folder.parent / 'mlflow_ui_failed.png'}", file=sys.stderr)
+                    raise
+                finally:
+                    browser.close()
+        finally:
+            ui.terminate()
+            try:
+                ui.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                ui.kill()
+    print(f"wrote {DOCS / 'mlflow_runs.png'} and {DOCS / 'mlflow_compare.png'} ({len(trials)} trials compared)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
