@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test bench ui screenshots clean
+.PHONY: setup run test bench ui server screenshots clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
 $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
@@ -33,6 +33,10 @@ bench: setup
 
 ui:
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# The team's MLflow server: its own PostgreSQL in ./mlflow-server, artifacts served, on 127.0.0.1:5000.
+server: setup
+	$(BIN)/python -m orchestrate server $(ARGS)
 
 # The README's pictures of the MLflow UI (docs/mlflow_*.png): a backend sweep, then headless Chromium
 # (Debian's `chromium`) driven by Playwright (the `docs` extra).

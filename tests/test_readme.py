@@ -182,6 +182,12 @@ EXPECTED: dict[str, Expect] = {
         **{**PROJECT_RUN, "experiment": "wine", "tags": {**PROJECT_RUN["tags"], "backend": "ondevice"}}),
     # ---- looking at the runs
     "make ui": Expect(separate="test_make_ui_serves_the_runs"),
+    # ---- a team's MLflow server
+    "python -m orchestrate server": Expect(separate="tests/test_server.py::test_mlflow_and_postgresql_listen_on_loopback_only"),
+    "python -m orchestrate server --host 0.0.0.0": Expect(
+        skip="reachable from every network this machine is on; the tests bind 127.0.0.1 only"),
+    "python -m orchestrate server --backend-store-uri postgresql://USER:PASSWORD@DBHOST:5432/mlflow": Expect(
+        separate="tests/test_server.py::test_a_second_server_in_front_of_an_existing_postgresql"),
     # ---- sweeps
     "python -m orchestrate backend=ortmodule +sweep": Expect(
         runs=4, says=("sweep summary",), tags={"backend": "ortmodule"}, check=default_grid_with_nested_runs),
