@@ -20,7 +20,7 @@ from omegaconf import DictConfig, open_dict
 from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
 from orchestrate.resume import config_key, find_resume
-from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, ui_command
+from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
 
 
 # orchestrate's own configs travel inside the package (in a checkout, `conf/` and `experiments/` at
@@ -146,6 +146,9 @@ def device_name(cfg: DictConfig) -> str:
 def check(cfg: DictConfig) -> None:
     """Refuse bad input before anything is written or run: build the job once (data, model,
     backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError."""
+    problem = reachable(cfg.tracking.uri)  # first: a store that is not there fails in seconds, not minutes
+    if problem:
+        raise schema.ConfigError(problem)
     Job.prepare(cfg, out_dir="unused")
     find_resume(cfg)
 

@@ -4,12 +4,18 @@ Metric names (MLflow's compare view overlays backends because these never change
   train/loss, eval/loss, eval/accuracy, perf/samples_per_sec, perf/step_time_ms, lr
 and once at the end: final/train_loss, final/eval_loss, final/eval_accuracy,
 final/samples_per_sec, final/step_time_ms, final/wall_time_s.
+
+A store that cannot be reached is refused up front (`reachable`, called by the command line's
+check); one that goes away during a run does not stop it (orchestrate.outbox). Experiments are
+tagged as model training for MLflow 3's UI (`mark_for_training`).
 """
 
 import importlib.metadata
+import logging
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +26,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import orchestrate
-from orchestrate.redact import redact, redacted_yaml
+from orchestrate.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Outbox, cause, server_away, upload
+from orchestrate.redact import redact, redacted_yaml, redact_text
+
+log = logging.getLogger(__name__)
 
 
 VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
@@ -69,38 +78,78 @@ def versions() -> dict[str, str]:
     return found
 
 
-# One async-logging thread per process: points reach the store in the order they were logged (a
-# crash leaves no gap before the last one), and many processes stay within the server's pool.
+# One logging thread per run (the outbox's), whatever MLflow's asynchronous logging would start:
+# many processes against one server stay within its connection pool. Set for sweep trials and
+# runner workers.
 ONE_LOGGING_THREAD = {"MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1"}
+
+# While a run is open, a request to an MLflow server that does not answer gives up within seconds
+# (MLflow's defaults: 7 retries with growing pauses and a 120 s timeout, over two minutes): the
+# outbox tries again on its own, and nothing else waits minutes. A value the user set is kept.
+QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def set_env(values: dict[str, str]) -> dict[str, str | None]:
+    """Set the variables the environment does not set already; returns what to put back."""
+    before = {k: os.environ.get(k) for k in values if k not in os.environ}
+    os.environ.update({k: values[k] for k in before})
+    return before
+
+
+def restore_env(before: dict[str, str | None]) -> None:
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class RunLogger:
     """Logs into one MLflow run by its id: the run a Tracker opened, or (rank 0 of the runner's
-    workers) a run that another process opened."""
+    workers) a run that another process opened. Metrics and tags go out through an outbox
+    (orchestrate.outbox): training never waits for the server, and an outage loses nothing.
+    `close()` at the end: what the server did not take by then goes to `out_dir/mlflow_unsent.jsonl`."""
 
-    def __init__(self, uri: str, run_id: str):
+    def __init__(self, uri: str, run_id: str, out_dir: Path | None = None):
         from mlflow.tracking import MlflowClient
 
         self.client, self.uri, self.run_id = MlflowClient(tracking_uri=uri), uri, run_id
+        self.env_before = set_env(QUICK_HTTP)
+        unsent = Path(out_dir or tempfile.gettempdir()) / (UNSENT_FILE if out_dir else f"{run_id}-{UNSENT_FILE}")
+        self.outbox = Outbox(self.client, run_id, redact_text(uri), unsent)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        # Asynchronous: the training loop does not wait for the store (about 1 ms a call on SQLite).
+        # Each point carries the time it was logged, also when it is sent later.
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
-                              synchronous=False)
+        self.outbox.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.outbox.put([RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._upload(path, artifact_path)
 
     def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+        self._upload(folder, artifact_path)
+
+    def _upload(self, path: Path, artifact_path: str | None) -> None:
+        """Upload now (the file may be replaced soon: checkpoints rotate); while the server is away,
+        or when it does not answer, the outbox uploads it later. Training goes on either way."""
+        artifact = Artifact(str(path), artifact_path)
+        if not self.outbox.away:
+            try:
+                upload(self.client, self.run_id, artifact)
+                return
+            except Exception as e:  # noqa: BLE001 - an upload never stops training
+                if not server_away(e):
+                    log.warning(f"{path} was not uploaded to MLflow ({cause(e)}); it stays in the output folder")
+                    return
+        self.outbox.put([artifact])
 
     def logged_history(self) -> dict[str, list[tuple[int, float]]]:
         """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its
@@ -108,11 +157,18 @@ class RunLogger:
         keys = self.client.get_run(self.run_id).data.metrics.keys()
         return {k: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
 
-    def flush(self) -> None:
-        """Wait until every metric logged so far is in the store. This client's own store: the
-        fluent `mlflow.flush_async_logging()` flushes the store of the process-wide tracking URI,
-        which in a runner worker (or any process that logs by run id) is another store."""
-        self.client._tracking_client.store.flush_async_logging()
+    def flush(self) -> bool:
+        """Wait until everything logged so far is in the store, unless the server is away (then
+        training does not wait: the outbox keeps it). True when everything was sent."""
+        return self.outbox.flush()
+
+    def close(self, wait_s: float = END_WAIT_S) -> bool:
+        """The end of logging: send what is left (waiting up to `wait_s` for a server that is
+        away), and give MLflow's HTTP settings back. True when everything was sent."""
+        try:
+            return self.outbox.close(wait_s)
+        finally:
+            restore_env(self.env_before)
 
 
 class Tracker(RunLogger):
@@ -131,6 +187,21 @@ class Tracker(RunLogger):
         self.mlflow = mlflow
         given = handed_over_run()
         uri = given[0] if given else cfg.tracking.uri
+        # MLflow's quick HTTP settings from the run's first request on (RunLogger would set them
+        # only once the run is open); __exit__ gives them back.
+        env_before, self.outbox = set_env(QUICK_HTTP), None
+        try:
+            self._open(cfg, uri, given, run_name, tags, out_dir, resume_run_id)
+        except BaseException:
+            if self.outbox is not None:
+                self.outbox.close()
+            restore_env(env_before)
+            raise
+        self.env_before = env_before
+
+    def _open(self, cfg: DictConfig, uri: str, given: tuple[str, str] | None, run_name: str, tags: dict[str, str],
+              out_dir: Path, resume_run_id: str | None) -> None:
+        mlflow = self.mlflow
         mlflow.set_tracking_uri(uri)
         if resume_run_id:
             # The same run goes on: its params are this config already (config_key matched). MLflow
@@ -144,7 +215,8 @@ class Tracker(RunLogger):
         else:
             mlflow.set_experiment(cfg.tracking.experiment)
             run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name)
-        super().__init__(uri, run.info.run_id)
+        super().__init__(uri, run.info.run_id, out_dir)
+        mark_for_training(self.client, run.info.experiment_id)
         self.set_tags({"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
                        "pid": str(os.getpid()), "out_dir": str(Path(out_dir).resolve()),
                        **{f"version.{k}": v for k, v in versions().items()}, **tags, **redact(dict(cfg.tracking.tags))})
@@ -161,18 +233,111 @@ class Tracker(RunLogger):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        status = "FINISHED"
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            status = "KILLED"
+            self.set_tags({"error": "interrupted (KeyboardInterrupt)"})
+        elif exc_type is not None:
+            status = "FAILED"
+            self.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]})
         try:
-            self.flush()
+            self.outbox.close()  # bounded: a server still away gets END_WAIT_S, then the file
         finally:
-            if exc_type is None:
-                self.mlflow.end_run("FINISHED")
-            elif issubclass(exc_type, KeyboardInterrupt):
-                self.mlflow.set_tag("error", "interrupted (KeyboardInterrupt)")
-                self.mlflow.end_run("KILLED")
-            else:
-                self.mlflow.set_tag("error", f"{exc_type.__name__}: {exc}"[:5000])
-                self.mlflow.end_run("FAILED")
+            try:
+                self.mlflow.end_run(status)
+            except Exception as e:  # noqa: BLE001 - the run's own outcome matters more than its status
+                log.warning(f"MLflow at {self.outbox.uri} did not take the run's end ({status}: {cause(e)}): "
+                            f"run {self.run_id} stays RUNNING there")
+            finally:
+                restore_env(self.env_before)
         return False
+
+
+# MLflow 3's UI shows an experiment as its kind says: model training ("custom_model_development")
+# opens on the runs table and the charts. MLflow sets the tag only on experiments its UI creates.
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
+
+def mark_for_training(client, experiment_id: str) -> None:
+    """Tag an experiment as model training, unless it says its kind already."""
+    if EXPERIMENT_KIND not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+
+
+def training_experiment(client, name: str) -> str:
+    """The id of the experiment `name`, created if need be, tagged as model training."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return client.create_experiment(name, tags={EXPERIMENT_KIND: MODEL_TRAINING})
+    mark_for_training(client, found.experiment_id)
+    return found.experiment_id
+
+
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def reachable(uri: str, timeout_s: float = 5.0) -> str | None:
+    """None when a run could log to the tracking URI `uri`; else one sentence with the URI and the
+    cause. Asks only what answers within `timeout_s`: an HTTP server's /health, a database's
+    login (PostgreSQL) or port, a SQLite file's folder. Other stores (databricks, ...) pass."""
+    from urllib.parse import urlsplit
+
+    shown = f"tracking.uri={redact_text(uri)}"
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme in ("http", "https"):
+        import urllib.error
+        import urllib.request
+
+        parts = urlsplit(uri)
+        host = parts.netloc.rpartition("@")[2]  # credentials are MLflow's business, not the health check's
+        url = f"{parts.scheme}://{host}{parts.path.rstrip('/')}/health"
+        try:
+            urllib.request.urlopen(url, timeout=timeout_s).close()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                return None  # a server that wants credentials: MLflow's client sends them, this check does not
+            return f"{shown}: {url} answers HTTP {e.code} ({e.reason}): not an MLflow server"
+        except (OSError, ValueError) as e:
+            return f"{shown}: no MLflow server answers at {url} within {timeout_s:g} s ({cause(getattr(e, 'reason', e))})"
+        return None
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if path in ("", ":memory:"):
+            return None
+        file = Path(os.path.abspath(path))
+        if not file.parent.is_dir():
+            return f"{shown}: the folder {file.parent} does not exist (SQLite creates the file, not its folder)"
+        if not os.access(file if file.exists() else file.parent, os.W_OK):
+            return f"{shown}: {file if file.exists() else file.parent} is not writable"
+        return None
+    if scheme == "postgresql":
+        try:
+            import psycopg2
+        except ImportError:
+            psycopg2 = None
+        if psycopg2 is not None:
+            dsn = "postgresql://" + uri.split("://", 1)[1]  # libpq reads the URI; no SQLAlchemy driver part
+            try:
+                psycopg2.connect(dsn, connect_timeout=max(1, round(timeout_s))).close()
+            except psycopg2.Error as e:
+                return f"{shown}: {redact_text(str(e).strip().splitlines()[0])}"
+            return None
+    if scheme in DATABASE_PORTS:
+        parts = urlsplit(uri)
+        address = (parts.hostname or "localhost", parts.port or DATABASE_PORTS[scheme])
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+        except OSError as e:
+            return f"{shown}: nothing answers at {address[0]}:{address[1]} within {timeout_s:g} s ({cause(e)})"
+        return None
+    if scheme in ("", "file"):
+        folder = Path(os.path.abspath(urlsplit(uri).path if scheme else uri))
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # MLflow creates the missing folders below the first that exists
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            return f"{shown}: {folder} is not a writable folder"
+    return None
 
 
 def absolute_uri(uri: str) -> str:

@@ -20,7 +20,7 @@ def pins(text: str) -> dict[str, str]:
     return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in found}
 
 
-def tested_stack() -> dict[str, str]:
+def pinned_stack() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return {**pins((ROOT / "constraints.txt").read_text()), **pins("\n".join(project["dependencies"]))}
 
@@ -34,7 +34,7 @@ def test_hadolint_finds_nothing():
 
 def drift(dockerfile: str) -> list[str]:
     """Each version a Dockerfile names that differs from the tested stack's."""
-    stack = tested_stack()
+    stack = pinned_stack()
     named = pins(dockerfile)
     # The GPU image's ORT is the CUDA build of the same release as the tested CPU one.
     if "onnxruntime-training" in named:

@@ -27,7 +27,7 @@ def test_experiment_runs_a_few_steps(name, tmp_path):
 
 
 def test_sweep_words_are_read_before_hydra():
-    from orchestrate.__main__ import rewrite_sweep_words
+    from orchestrate.cli import rewrite_sweep_words
 
     assert rewrite_sweep_words(["backend=ortmodule", "+sweep"]) == ["--multirun", "backend=ortmodule", "sweep=lr_grid"]
     assert rewrite_sweep_words(["+experiment=backend_shootout", "+sweep"]) == ["--multirun", "+experiment=backend_shootout"]

@@ -228,7 +228,7 @@ def test_an_unreachable_store_is_one_message(tmp_path):
     assert done.stderr.startswith("error: --backend-store-uri=postgresql://someone:***@127.0.0.1:")
     assert "cannot connect" in done.stderr and "secret" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
-    assert time.monotonic() - began < 60  # the import of orchestrate.__main__ alone takes seconds under load
+    assert time.monotonic() - began < 60  # the command starts Python and imports psycopg2 and MLflow
 
 
 def test_a_port_in_use_is_one_message(capsys, tmp_path):

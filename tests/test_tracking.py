@@ -1,14 +1,24 @@
-"""trainer.resume's lookup: which run and checkpoint a resume continues, and its plain errors."""
+"""MLflow tracking: trainer.resume's lookup (which run and checkpoint a resume continues, and its
+plain errors), a tracking store that is unreachable or goes away mid-run, the experiment's kind."""
 
+import json
+import logging
+import os
 import shlex
 import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from orchestrate import app
+from orchestrate.outbox import UNSENT_FILE
 from orchestrate.schema import ConfigError
 from orchestrate.resume import config_key, find_resume
-from orchestrate.tracking import ui_command
+from orchestrate.tasks.data import Synthetic
+from orchestrate.tracking import EXPERIMENT_KIND, RunLogger, Tracker, reachable, training_experiment, ui_command
+from tests.conftest import client_for, metric_steps
 
 
 def test_the_config_key_ignores_tracking_and_resume_settings_only(make_cfg):
@@ -71,3 +81,137 @@ def test_a_resumed_run_opens_in_its_own_experiment_whatever_is_active(make_cfg, 
         assert client.get_run(stopped).info.status == "FINISHED"
     finally:
         mlflow.set_tracking_uri("")
+
+
+# ---- the tracking store: unreachable up front, away and back during a run, the experiment's kind --
+
+def test_an_unreachable_tracking_uri_stops_the_command_in_seconds(tmp_path):
+    """Nothing listens there: one message naming the URI and the cause, exit 2, nothing trained or
+    written (MLflow's own client would retry for over two minutes first)."""
+    from tests.helpers import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    assert uri in reachable(uri) and time.monotonic() - began < 10  # the check itself: well within 10 s
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrate", f"tracking.uri={uri}", "data=synthetic", "trainer=quick"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - began
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: tracking.uri={uri}: no MLflow server answers at {uri}/health")
+    assert "Connection refused" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    # About 5 s on an idle machine, most of it importing torch; the bound leaves room for a loaded
+    # CI runner (26 s seen with 14 processes on 2 cores) and is still far from MLflow's retries.
+    assert took < 60, f"took {took:.1f} s"
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no store
+
+
+OUTAGE: dict = {}  # the outage test's server, and the batches at which it goes away and comes back
+
+
+class OutageData(Synthetic):
+    """The synthetic data set, which stops the test's MLflow server when training asks for batch
+    `stop_at`, and at batch `restart_at`, once the run has said the server is away, starts it
+    again on the same port and store."""
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        if OUTAGE and position == OUTAGE["stop_at"]:
+            OUTAGE["server"].stop()
+        if OUTAGE and position == OUTAGE["restart_at"]:
+            assert OUTAGE["away"].wait(60), "the run never said that the server went away"
+            OUTAGE["server"] = OUTAGE["start"]()
+        return super().train_batch(position, batch_size, seed, rank, world_size)
+
+
+class Said(logging.Handler):
+    """Sets `event` when a log record says `words`."""
+
+    def __init__(self, words: str, event: threading.Event):
+        super().__init__()
+        self.words, self.event = words, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+def test_a_server_that_goes_away_mid_run_gets_every_step_exactly_once(make_cfg, tmp_path, caplog):
+    from orchestrate.server import MlflowServer
+
+    store, artifacts = f"sqlite:///{tmp_path}/server.db", tmp_path / "artifacts"
+    log = open(tmp_path / "server.log", "w")
+    first = MlflowServer(store, artifacts, log=log)
+    away = threading.Event()
+    said = Said("does not answer", away)
+    logging.getLogger("orchestrate.outbox").addHandler(said)
+    OUTAGE.update(server=first, stop_at=60, restart_at=120, away=away,
+                  start=lambda: MlflowServer(store, artifacts, port=first.port, log=log))
+    try:
+        with caplog.at_level(logging.WARNING, logger="orchestrate"):
+            result = app.train(make_cfg("data._target_=tests.test_tracking.OutageData", "trainer.max_steps=200",
+                                        "trainer.display_loss_steps=1", "trainer.evaluation_period=50",
+                                        "trainer.checkpoint_period=50", "trainer.max_num_checkpoints=4", uri=first.uri), tmp_path / "out")
+        client = client_for(first.uri)
+        run = client.get_run(result.run_id)
+        assert run.info.status == "FINISHED"
+        for key in ("train/loss", "lr", "perf/step_time_ms", "perf/samples_per_sec"):
+            assert [s for s, _ in metric_steps(client, result.run_id, key)] == list(range(1, 201)), key
+        assert [s for s, _ in metric_steps(client, result.run_id, "eval/loss")] == [50, 100, 150, 200]
+        # Logged while the server was away (steps 61 to 120): the values the run computed.
+        assert metric_steps(client, result.run_id, "train/loss") == result.history["train/loss"]
+        # The checkpoint saved during the outage was uploaded once the server was back.
+        uploaded = [a.path for a in client.list_artifacts(result.run_id, "checkpoints")]
+        assert "checkpoints/step_0000100.pt" in uploaded and "checkpoints/step_0000200.pt" in uploaded
+        said_away = [r for r in caplog.records if "does not answer" in r.getMessage()]
+        said_back = [r for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(said_away) == 1 and len(said_back) == 1, caplog.text
+        assert first.uri in said_away[0].getMessage() and not (tmp_path / "out" / UNSENT_FILE).exists()
+    finally:
+        logging.getLogger("orchestrate.outbox").removeHandler(said)
+        OUTAGE.pop("server").stop()
+        OUTAGE.clear()
+        log.close()
+
+
+def test_a_run_left_without_its_server_writes_what_it_kept_to_a_file(tmp_path, caplog):
+    """The server is gone and does not come back: logging never waits for it, and the end of the
+    run waits a bounded time, then writes the kept points and tags to the output folder and says so."""
+    from tests.helpers import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens: a server that went away for good
+    retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    logger = RunLogger(uri, "0123456789abcdef", tmp_path / "out")
+    began = time.monotonic()
+    for step in range(1, 11):
+        logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+    logger.set_tags({"after": "outage"})
+    assert time.monotonic() - began < 1  # the training loop did not wait for the server
+    with caplog.at_level(logging.WARNING, logger="orchestrate"):
+        assert not logger.close(wait_s=3)
+    rows = [json.loads(line) for line in (tmp_path / "out" / UNSENT_FILE).read_text().splitlines()]
+    assert [(r["metric"], r["step"], r["value"]) for r in rows if "metric" in r] == [
+        ("train/loss", step, 1.0 / step) for step in range(1, 11)]
+    assert {"run_id": "0123456789abcdef", "tag": "after", "value": "outage"} in rows
+    assert "did not take 11 item(s) of run 0123456789abcdef" in caplog.text
+    assert os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES") == retries  # MLflow's settings given back
+
+
+def test_experiments_orchestrate_creates_are_model_training_experiments(make_cfg, tmp_path):
+    """MLflow 3's UI opens a model-training experiment on its runs table and charts: the
+    experiment carries `mlflow.experimentKind`, also one that existed without it."""
+    cfg = make_cfg()
+    client = client_for(cfg.tracking.uri)
+    with Tracker(cfg, run_name="x", tags={}, out_dir=tmp_path) as new:
+        pass
+    created = client.get_experiment(client.get_run(new.run_id).info.experiment_id)
+    assert created.name == cfg.tracking.experiment
+    assert created.tags[EXPERIMENT_KIND] == "custom_model_development"
+
+    older = client.create_experiment("made_elsewhere")  # e.g. by an older orchestrate: no kind
+    assert training_experiment(client, "made_elsewhere") == older
+    assert client.get_experiment(older).tags[EXPERIMENT_KIND] == "custom_model_development"
+    genai = client.create_experiment("genai", tags={EXPERIMENT_KIND: "genai_development"})
+    assert training_experiment(client, "genai") == genai  # a kind someone chose stays
+    assert client.get_experiment(genai).tags[EXPERIMENT_KIND] == "genai_development"
+    made = training_experiment(client, "a_sweep")
+    assert client.get_experiment(made).tags[EXPERIMENT_KIND] == "custom_model_development"

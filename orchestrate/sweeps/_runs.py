@@ -18,7 +18,7 @@ from orchestrate import plots
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _summary, plan
 from orchestrate.sweeps.callbacks import NO_URLS, Handover, set_env
-from orchestrate.tracking import absolute_uri, ui_command
+from orchestrate.tracking import absolute_uri, training_experiment, ui_command
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -107,8 +107,7 @@ class Sweep:
     def _open_parent(self, uri: str, config: DictConfig) -> None:
         s = self.settings
         self.uri, self.client = uri, MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(s.experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(s.experiment)
+        self.experiment_id = training_experiment(self.client, s.experiment)  # the UI opens it on the runs
         self.command = list(config.hydra.overrides.task)
         self.fixed = fixed_overrides(self.command)
         sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)

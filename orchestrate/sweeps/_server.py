@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrate.server import MlflowServer, ServerError
+from orchestrate.tracking import training_experiment
 
 
 def prepare_store(sqlite_uri: str, experiment: str) -> None:
@@ -14,8 +15,7 @@ def prepare_store(sqlite_uri: str, experiment: str) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=sqlite_uri)
-    if client.get_experiment_by_name(experiment) is None:
-        client.create_experiment(experiment)
+    training_experiment(client, experiment)
     # Write-ahead logging: readers (the sweep's summary, the UI) no longer block the writer. The
     # setting is stored in the database file.
     with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as db:

@@ -13,7 +13,7 @@ Where each hook runs (hydra/_internal/hydra.py `multirun()`, hydra/core/utils.py
   `MLFLOW_TRACKING_URI` (see orchestrate.tracking.Tracker), set for the job and taken back after it.
 - `on_multirun_end`, in the launching process: the summary, the parent closed, the server stopped.
   Hydra skips it when the sweeper raises (a failed trial makes Hydra's sweepers raise), so each
-  open sweep is also in `_OPEN`, which `close_open_sweeps()` (called by orchestrate/__main__.py in
+  open sweep is also in `_OPEN`, which `close_open_sweeps()` (called by orchestrate/cli.py in
   a `finally`, and at exit) closes; closing twice does nothing.
 
 This module stays light (Hydra instantiates it for every run, single runs included); the MLflow

@@ -58,7 +58,7 @@ def worker_loop(config: dict) -> None:
     if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
         job.checkpoints.on_save = reporter.checkpoint
     if rank == 0 and config["run_id"]:
-        job.track(RunLogger(config["uri"], config["run_id"]))
+        job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])))
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
         job.meter.continue_history(job.meter.tracker.logged_history())
     tag_workers(job, rank, world)
@@ -70,7 +70,9 @@ def worker_loop(config: dict) -> None:
     summary = job.meter.summary()
     if rank == 0 and job.meter.tracker:
         job.meter.close()
-        job.meter.tracker.flush()
+        # Everything sent (or, with the server away past a bounded wait, written to the run's
+        # folder) before the driver marks the run FINISHED: the store refuses points after that.
+        job.meter.tracker.close()
     reporter.close()
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = None

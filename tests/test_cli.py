@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from orchestrate import app
-from orchestrate.__main__ import main
+from orchestrate.cli import main
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:

@@ -1,0 +1,219 @@
+"""`python -m orchestrate [overrides]`, a training run or a sweep: check the command line, then
+hand it to the Hydra app.
+
+Bad input (an unknown key or choice, a wrong type, an impossible combination) is caught here by
+composing the config and building its objects once, before Hydra creates an output folder or a
+run is opened in MLflow: one plain message, exit code 2. A sweep (`-m`, `+sweep`) is checked the
+same way, every trial of it, before any runs, whatever the launcher; and its MLflow bookkeeping
+(orchestrate.sweeps.callbacks) is closed here even when the sweeper raised.
+"""
+
+import contextlib
+import io
+import os
+import sys
+
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from hydra.types import RunMode
+
+from orchestrate import app, schema
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's own flags (--cfg, -m, hydra/...) versus config overrides."""
+    flags, overrides = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg in ("--cfg", "-c", "--package", "-p", "--info", "--experimental-rerun",
+                       *app.ConfigSource.FLAGS) and "=" not in arg:
+                nxt = next(it, None)
+                if nxt is not None:
+                    flags.append(nxt)
+        elif arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> str:
+    """One plain sentence for Hydra's and OmegaConf's composition errors."""
+    cause = e
+    while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
+        cause = cause.__cause__
+    if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
+        group = cause.missing_cfg_file.split("/")[0]
+        options = cause.options or []
+        chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == group), "?")
+        return f"{group}={chosen}: no such choice; allowed: {', '.join(options)}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        key = cause.full_key or cause.key
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        return f"{key}: unknown key{allowed_keys(parent, source)}"
+    if isinstance(cause, ValidationError):
+        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
+    return str(e).splitlines()[0]
+
+
+def allowed_keys(parent: str, source: app.ConfigSource = app.ORCHESTRATE) -> str:
+    if not parent:
+        return ""
+    try:
+        node = OmegaConf.select(app.load_config(source=source), parent)
+        return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
+    except Exception:
+        return ""
+
+
+COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException,
+                      OmegaConfBaseException)
+
+
+def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
+             trial: str = "") -> None:
+    """Compose and build one run's config once, from the same config folders and search path as
+    the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
+    is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
+    of a sweep)."""
+    try:
+        # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
+        # check quiet so that bad input gets one message.
+        with contextlib.redirect_stderr(io.StringIO()):
+            app.check(app.load_config([*hydra_overrides, *overrides], source))
+    except schema.ConfigError as e:
+        fail(f"{trial}{e}")
+    except COMPOSITION_ERRORS as e:
+        fail(explain(e, overrides, source))
+
+
+def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSource) -> None:
+    """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
+    expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
+    ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
+    from orchestrate.sweeps import plan
+
+    hydra_overrides = hydra_words(flags)
+    try:
+        cfg = app.load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
+        trials = plan.trials(cfg)
+    except COMPOSITION_ERRORS as e:
+        fail(explain(e, overrides, source))
+    check_trial_resources(cfg.hydra.launcher)
+    for index, trial in enumerate(trials):
+        validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
+                 trial=f"trial {index} ({' '.join(trial)}): ")
+
+
+def is_hydra(word: str) -> bool:
+    return word.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
+def hydra_words(flags: list[str]) -> list[str]:
+    """The `hydra.*` and `hydra/...` overrides among the flags (`hydra.searchpath=[...]`, ...)."""
+    return [f for f in flags if is_hydra(f)]
+
+
+def check_trial_resources(launcher) -> None:
+    """orchestrate's Ray launcher on a new local Ray: a trial that asks for more CPUs or GPUs than
+    this machine has could never start (the launcher would say so only once Ray is up)."""
+    if not str(launcher.get("_target_", "")).endswith("OrchestrateRayLauncher"):
+        return
+    if launcher.address or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster: the launcher waits placement_timeout_s for room, which may come
+    cpus = launcher.num_cpus if launcher.num_cpus is not None else os.cpu_count()
+    if launcher.cpus_per_trial > cpus:
+        fail(f"hydra.launcher.cpus_per_trial={launcher.cpus_per_trial:g}: a trial asks for more CPUs than the local "
+             f"Ray instance has ({cpus:g}); allowed: 0 to {cpus:g}, or hydra.launcher.address of a larger cluster")
+    if launcher.gpus_per_trial:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if launcher.gpus_per_trial > gpus:
+            fail(f"hydra.launcher.gpus_per_trial={launcher.gpus_per_trial:g}: this machine has {gpus} GPU(s); "
+                 "allowed: 0, or hydra.launcher.address of a cluster with GPUs")
+
+
+def strip_source_flags(flags: list[str]) -> list[str]:
+    """The flags without --config-path/-name/-dir (and their values): ConfigSource.as_flags
+    gives them back, absolute."""
+    out, it = [], iter(flags)
+    for flag in it:
+        if flag.partition("=")[0] in app.ConfigSource.FLAGS:
+            if "=" not in flag:
+                next(it, None)
+        else:
+            out.append(flag)
+    return out
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> list[str]:
+    """Hydra's grammar rejects a bare `+sweep` ("missing EQUAL"), so it is read here:
+    `+sweep` -> multirun with the experiment's sweep; `+sweep=NAME` -> multirun with
+    conf/sweep/NAME.yaml; `+dry_run` -> print the sweep's plan and run nothing."""
+    out, multirun = [], False
+    for arg in argv:
+        if arg == "+sweep":
+            multirun = True
+        elif arg.startswith("+sweep="):
+            multirun = True
+            out.append(arg[1:])  # `sweep` is in the defaults list: override the choice
+        elif arg == "+dry_run":
+            multirun = True
+            out.append("hydra.launcher.dry_run=true")
+        else:
+            out.append(arg)
+    if "+sweep" in argv:
+        # The experiment's sweep, or the configured default when it names none.
+        flags, overrides = split_args(out)
+        try:
+            cfg = app.load_config([*hydra_words(flags), *overrides], source)
+            if cfg.sweep.name == "none":
+                out.append(f"sweep={cfg.sweep.default}")
+        except Exception:
+            pass  # composition errors are reported by Hydra itself, with the whole command line
+    if multirun and not any(a in MULTIRUN_FLAGS for a in out):
+        out.insert(0, "--multirun")
+    return out
+
+
+def main() -> None:
+    try:
+        # --config-path, --config-name, --config-dir: the user's own config folders.
+        source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
+    except schema.ConfigError as e:
+        fail(str(e))
+    argv = rewrite_sweep_words(sys.argv[1:], source)
+    flags, overrides = split_args(argv)
+    multirun = any(f in MULTIRUN_FLAGS for f in flags)
+    if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
+        if multirun:
+            validate_sweep(flags, overrides, source)
+        else:
+            validate(overrides, source, hydra_words(flags))
+    # Hydra gets the same folders, made absolute (it would read a relative --config-path as
+    # relative to orchestrate's code, not to where the user is).
+    flags = strip_source_flags(flags)
+    sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
+    try:
+        app.hydra_main()
+    finally:
+        if multirun:
+            # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
+            # trial makes it raise. The summary, the parent run and the server are closed here.
+            from orchestrate.sweeps.callbacks import close_open_sweeps
+
+            close_open_sweeps()

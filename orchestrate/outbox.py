@@ -1,0 +1,244 @@
+"""The run's outbox: what a run logs to MLflow while it trains (metrics, tags, artifacts that could
+not be uploaded at once) is sent by one background thread, in the order it was logged, so that
+training never waits for the tracking server.
+
+While the server is away (stopped, restarting, the network down) the outbox keeps everything in
+memory, says so once, tries again every few seconds, and says once more when the server is back.
+At the end of the run it waits a bounded time for a server that is still away; whatever could
+not be sent then is written to `mlflow_unsent.jsonl` in the run's output folder, and it says so.
+
+Each point is sent with the timestamp it was logged with: a batch sent again after an answer was
+lost on the way (the server went away while it was writing) is the same rows, which MLflow's SQL
+store recognises and does not store twice. MLflow's own asynchronous logging
+(`log_batch(synchronous=False)`) is not used: on an error it logs one line per batch and drops it.
+"""
+
+import atexit
+import collections
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0  # between two attempts while the server is away
+END_WAIT_S = 60.0  # how long the end of a run waits for a server that is away
+KEPT_LIMIT = 200_000  # items kept in memory during an outage (about 60 MB); later ones go to the file
+MAX_METRICS, MAX_TAGS = 1000, 100  # MLflow's limits for one log_batch request
+UNSENT_FILE = "mlflow_unsent.jsonl"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An upload that failed while the server was away: tried again from the outbox."""
+
+    path: str
+    artifact_path: str | None
+
+
+def cause(error: BaseException) -> str:
+    """The short reason inside a client error ("Connection refused"), not its whole chain."""
+    text = str(error)
+    found = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found[-1].strip()
+    for short in ("timed out", "Read timed out", "Connection reset", "Connection aborted"):
+        if short in text:
+            return short.lower()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def server_away(error: BaseException) -> bool:
+    """Whether an error means "try again later" (no answer, or the server is restarting or
+    overloaded: HTTP 5xx, 429) rather than "this request is refused" (HTTP 4xx: a bad value, a
+    run that is no longer active), which sending again would not change."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return status >= 500 or status == 429
+    return isinstance(error, OSError) or "connection" in type(error).__name__.lower()
+
+
+class Outbox:
+    """Sends one run's metrics, tags and postponed artifacts from one thread, in order."""
+
+    def __init__(self, client, run_id: str, uri: str, unsent_file: Path):
+        self.client, self.run_id, self.uri, self.unsent_file = client, run_id, uri, Path(unsent_file)
+        self.items: collections.deque = collections.deque()  # Metric, RunTag or Artifact, as logged
+        self.cond = threading.Condition()
+        self.away_since: float | None = None  # when the server stopped answering; None: it answers
+        self.stopped = False
+        self.done = threading.Event()  # set with `stopped`: the thread's pause between attempts ends
+        self.spilled = 0  # items written straight to the file (the memory limit was reached)
+        self.refused = 0  # items the server answered with an error (HTTP 4xx): not sent again
+        self.thread = threading.Thread(target=self._run, name=f"mlflow-outbox-{run_id[:8]}", daemon=True)
+        # urllib3 says "Retrying ..." for each failed try of each request: not from this thread,
+        # which says once that the server is away and once that it is back.
+        self.quiet = ThreadFilter(self.thread)
+        logging.getLogger("urllib3.connectionpool").addFilter(self.quiet)
+        self.thread.start()
+        # A process that ends without closing its logger (a runner worker, a script) still waits
+        # its bounded time and writes the file: nothing logged is dropped silently.
+        atexit.register(self.close)
+
+    @property
+    def away(self) -> bool:
+        return self.away_since is not None
+
+    def put(self, items: list) -> None:
+        with self.cond:
+            if len(self.items) + len(items) > KEPT_LIMIT:
+                if not self.spilled:
+                    log.warning(f"MLflow at {self.uri} has been away too long: more than {KEPT_LIMIT} items are "
+                                f"kept; later ones are written to {self.unsent_file} only")
+                self._write(items)
+                self.spilled += len(items)
+                return
+            self.items.extend(items)
+            self.cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything put so far has been sent, unless the server is away: then return
+        at once (training does not wait for it; the items stay kept). True when all was sent."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.cond:
+            while self.items and not self.away and not self.stopped:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self.cond.wait(left)
+            return not self.items
+
+    def close(self, wait_s: float = END_WAIT_S) -> bool:
+        """The end of the run: send what is left, waiting up to `wait_s` for a server that is away;
+        write what is still unsent to the file, and say so. True when everything was sent."""
+        atexit.unregister(self.close)
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            if self.stopped:
+                return not self.items and not self.spilled
+            if self.away and self.items:
+                log.warning(f"MLflow at {self.uri} is still away at the end of the run: waiting up to "
+                            f"{wait_s:.0f} s for it to take the {len(self.items)} kept item(s)")
+            while self.items and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
+            self.stopped = True
+            self.done.set()
+            self.cond.notify_all()
+            unsent = list(self.items)
+            self.items.clear()
+        self.thread.join(timeout=1.0)  # a request in flight may take its own timeout: not waited for
+        logging.getLogger("urllib3.connectionpool").removeFilter(self.quiet)
+        if unsent:
+            self._write(unsent)
+        if unsent or self.spilled:
+            log.warning(f"MLflow at {self.uri} did not take {len(unsent) + self.spilled} item(s) of run {self.run_id} "
+                        f"(metrics, tags, artifacts to upload): they are in {self.unsent_file}, one JSON object a line")
+        return not unsent and not self.spilled
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.items and not self.stopped:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                batch = self._next_batch()  # left at the front until sent: flush() waits for it too
+            error = self._send(batch)
+            with self.cond:
+                if self.stopped:
+                    return  # close() has taken the items over (the last batch may have arrived too)
+                if error is None or not server_away(error):
+                    for _ in batch:
+                        self.items.popleft()
+                    if error is not None:
+                        if not self.refused:  # once: sending it again would not change the answer
+                            log.warning(f"MLflow at {self.uri} refused {len(batch)} item(s) of run {self.run_id}:"
+                                        f" {cause(error)}")
+                        self.refused += len(batch)
+                    elif self.away:
+                        log.warning(f"MLflow at {self.uri} answers again after {time.time() - self.away_since:.0f} s:"
+                                    f" sending the {len(self.items) + len(batch)} item(s) kept meanwhile")
+                        self.away_since = None
+                elif not self.away:
+                    self.away_since = time.time()
+                    log.warning(f"MLflow at {self.uri} does not answer ({cause(error)}): training goes on; its "
+                                f"metrics are kept and sent when the server is back")
+                self.cond.notify_all()
+            if error is not None and server_away(error):
+                self.done.wait(RETRY_S)
+
+    def _next_batch(self) -> list:
+        """The items at the front that one request takes: one artifact, or metrics and tags up to
+        MLflow's limits for a batch."""
+        first = self.items[0]
+        if isinstance(first, Artifact):
+            return [first]
+        from mlflow.entities import Metric
+
+        batch, metrics, tags = [], 0, 0
+        for item in self.items:
+            if isinstance(item, Artifact):
+                break
+            is_metric = isinstance(item, Metric)
+            if (metrics + is_metric > MAX_METRICS) or (tags + (not is_metric) > MAX_TAGS):
+                break
+            metrics, tags = metrics + is_metric, tags + (not is_metric)
+            batch.append(item)
+        return batch
+
+    def _send(self, batch: list) -> BaseException | None:
+        from mlflow.entities import Metric
+
+        try:
+            if isinstance(batch[0], Artifact):
+                upload(self.client, self.run_id, batch[0])
+            else:
+                self.client.log_batch(self.run_id, metrics=[m for m in batch if isinstance(m, Metric)],
+                                      tags=[t for t in batch if not isinstance(t, Metric)], synchronous=True)
+        except Exception as e:  # noqa: BLE001 - any failure is either "later" or "refused", never fatal
+            return e
+        return None
+
+    def _write(self, items: list) -> None:
+        from mlflow.entities import Metric
+
+        self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.unsent_file, "a") as f:
+            for item in items:
+                if isinstance(item, Metric):
+                    row = {"run_id": self.run_id, "metric": item.key, "value": item.value,
+                           "timestamp": item.timestamp, "step": item.step}
+                elif isinstance(item, Artifact):
+                    row = {"run_id": self.run_id, "artifact": item.path, "artifact_path": item.artifact_path}
+                else:
+                    row = {"run_id": self.run_id, "tag": item.key, "value": item.value}
+                f.write(json.dumps(row) + "\n")
+
+
+class ThreadFilter(logging.Filter):
+    """Drops the records that one thread logs."""
+
+    def __init__(self, thread: threading.Thread):
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread.ident
+
+
+def upload(client, run_id: str, artifact: Artifact) -> None:
+    """Upload a file or a folder; one that is gone by now (an older checkpoint rotated away while
+    the server was down) is skipped: a newer one replaced it."""
+    path = Path(artifact.path)
+    if path.is_dir():
+        client.log_artifacts(run_id, str(path), artifact.artifact_path)
+    elif path.exists():
+        client.log_artifact(run_id, str(path), artifact.artifact_path)
+    else:
+        log.warning(f"{path} was not uploaded to MLflow while the server was away, and is gone now")
