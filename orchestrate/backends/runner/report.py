@@ -27,7 +27,7 @@ CHECKPOINT_FILE = "checkpoint"
 class Reporter:
     def __init__(self, workers: Workers):
         self.workers, self.pending, self.error = workers, 0, None
-        self.lock, self.queue = threading.Lock(), queue.Queue()
+        self.lock, self.queue = threading.Condition(), queue.Queue()
         self.thread = threading.Thread(target=self._run, name="ray-train-report", daemon=True)
         self.thread.start()
 
@@ -47,6 +47,7 @@ class Reporter:
                     shutil.rmtree(folder, ignore_errors=True)
             with self.lock:
                 self.pending -= 1
+                self.lock.notify_all()
 
     def _put(self, metrics: dict, folder: str | None = None) -> None:
         with self.lock:
@@ -66,6 +67,14 @@ class Reporter:
             folder = tempfile.mkdtemp(prefix=".report_", dir=path.parent)
             os.link(path, Path(folder) / CHECKPOINT_FILE)  # same file system: no second copy
         self._put({"step": step}, folder)
+        # Training goes on only once Ray's controller holds the checkpoint: a worker that dies a
+        # few steps later must restart from it, not from the one before. A report returns when it
+        # is in the worker's one-place result queue, that is once the controller took the report
+        # before it; so a second report (every worker makes it: Ray needs the same calls on all)
+        # returns once the checkpoint's was taken. About one controller poll (0.1 s) a checkpoint.
+        self._put({"step": step})
+        with self.lock:
+            self.lock.wait_for(lambda: self.pending == 0 or self.error is not None)
 
     def close(self) -> None:
         self.queue.put(None)
