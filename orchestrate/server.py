@@ -69,10 +69,10 @@ class MlflowServer:
         self.port = port or free_port(host)
         self.uri = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         # A log-batch request can hold one pooled connection while it waits for a second. With
-        # MLflow's default pool (5 + 10 overflow) and 8 trials each sending from 10 async-logging
+        # MLflow's default pool (5 + 10 overflow) and 8 trials each sending from several logging
         # threads, every connection ended up held by a waiting request: the server deadlocked
-        # ("QueuePool limit ... reached"). A larger pool here, and one logging thread per trial
-        # (tracking.ONE_LOGGING_THREAD), keep requests in flight below the pool's size; one worker
+        # ("QueuePool limit ... reached"). A larger pool here, and one logging thread per run
+        # (orchestrate.outbox), keep requests in flight below the pool's size; one worker
         # process keeps the connections (40 + 10 overflow) within PostgreSQL's default 100. No
         # job-runner workers (MLflow's GenAI jobs, unused here): 0.55 GiB instead of 2.6 GiB.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",

@@ -90,19 +90,20 @@ QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKO
               "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
-def set_env(values: dict[str, str]) -> dict[str, str | None]:
-    """Set the variables the environment does not set already; returns what to put back."""
-    before = {k: os.environ.get(k) for k in values if k not in os.environ}
-    os.environ.update({k: values[k] for k in before})
-    return before
-
-
-def restore_env(before: dict[str, str | None]) -> None:
-    for key, value in before.items():
+def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set environment variables (None: remove one); returns what they were, for set_env again."""
+    before = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    return before
+
+
+def quick_http() -> dict[str, str | None]:
+    """QUICK_HTTP where the user set nothing; returns what to give `set_env` back."""
+    return set_env({k: v for k, v in QUICK_HTTP.items() if k not in os.environ})
 
 
 class RunLogger:
@@ -115,7 +116,7 @@ class RunLogger:
         from mlflow.tracking import MlflowClient
 
         self.client, self.uri, self.run_id = MlflowClient(tracking_uri=uri), uri, run_id
-        self.env_before = set_env(QUICK_HTTP)
+        self.env_before = quick_http()
         unsent = Path(out_dir or tempfile.gettempdir()) / (UNSENT_FILE if out_dir else f"{run_id}-{UNSENT_FILE}")
         self.outbox = Outbox(self.client, run_id, redact_text(uri), unsent)
 
@@ -168,7 +169,7 @@ class RunLogger:
         try:
             return self.outbox.close(wait_s)
         finally:
-            restore_env(self.env_before)
+            set_env(self.env_before)
 
 
 class Tracker(RunLogger):
@@ -189,13 +190,13 @@ class Tracker(RunLogger):
         uri = given[0] if given else cfg.tracking.uri
         # MLflow's quick HTTP settings from the run's first request on (RunLogger would set them
         # only once the run is open); __exit__ gives them back.
-        env_before, self.outbox = set_env(QUICK_HTTP), None
+        env_before, self.outbox = quick_http(), None
         try:
             self._open(cfg, uri, given, run_name, tags, out_dir, resume_run_id)
         except BaseException:
             if self.outbox is not None:
                 self.outbox.close()
-            restore_env(env_before)
+            set_env(env_before)
             raise
         self.env_before = env_before
 
@@ -249,7 +250,7 @@ class Tracker(RunLogger):
                 log.warning(f"MLflow at {self.outbox.uri} did not take the run's end ({status}: {cause(e)}): "
                             f"run {self.run_id} stays RUNNING there")
             finally:
-                restore_env(self.env_before)
+                set_env(self.env_before)
         return False
 
 

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import plots
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _summary, plan
-from orchestrate.sweeps.callbacks import NO_URLS, Handover, set_env
-from orchestrate.tracking import absolute_uri, training_experiment, ui_command
+from orchestrate.sweeps.callbacks import NO_URLS, Handover
+from orchestrate.tracking import absolute_uri, set_env, training_experiment, ui_command
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"

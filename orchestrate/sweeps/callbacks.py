@@ -21,13 +21,14 @@ work is in `_runs`, `_summary` and `_server`, imported when a sweep needs them.
 """
 
 import atexit
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from orchestrate.tracking import ONE_LOGGING_THREAD, set_env
 
 _OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
 # MLflow prints "View run ... at: <server URL>" whenever a run on an HTTP store ends: with the
@@ -89,7 +90,6 @@ class SweepTracking(Callback):
         if self.handover is None:
             return
         from orchestrate.sweeps import _runs
-        from orchestrate.tracking import ONE_LOGGING_THREAD
 
         run_id = _runs.open_trial(self.handover, config)
         # ONE_LOGGING_THREAD: many trials' logging threads against one server stay within its pool.
@@ -128,17 +128,6 @@ class SweepTracking(Callback):
         if job is None:
             return
         set_env(job.env)  # MLflow's process-wide URI, which the app sets, it restores itself (orchestrate.process)
-
-
-def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
-    """Set environment variables (None: remove one); returns what they were, for set_env again."""
-    before = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    return before
 
 
 def close_open_sweeps() -> None:
