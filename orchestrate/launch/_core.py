@@ -31,6 +31,7 @@ from orchestrate import ray_cluster
 
 log = logging.getLogger(__name__)
 OUTPUT_WAIT_S = 10.0  # longest wait, once the jobs are done, for their last lines to reach this console
+CANCEL_WAIT_S = 10.0  # longest wait, with fail_fast, for the cancelled jobs to end
 END_OF_OUTPUT = ":orchestrate_end_of_output:"  # opens the marker a job writes last on stdout and stderr
 
 
@@ -197,13 +198,29 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
             continue
         log.error(f"\t#{job.idx} : {job.shown} FAILED: {ret._return_value}")
         if conf.fail_fast:
-            for other_ref, other in pending.items():
-                ray.cancel(other_ref, force=True)
+            for other in pending.values():
                 log.warning(f"\t#{other.idx} : {other.shown} CANCELLED (hydra.launcher.fail_fast=true)")
+            cancel(list(pending))
             barrier.wait(marked)
             raise ret._return_value
     barrier.wait(marked)
     return [returns[job.idx] for job in jobs]
+
+
+def cancel(refs: list, wait_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel jobs and wait (up to wait_s) until each has ended, so that their CPUs are free when
+    the launcher returns. Ray cancels asynchronously, and a cancel that meets a job while a worker
+    is being leased for it can miss: the job then starts anyway. Cancelling again whatever is
+    still not ended catches those (force=True kills a running job's worker)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while refs and time.monotonic() < deadline:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+    if refs:
+        log.warning(f"{len(refs)} cancelled job(s) had not ended after {wait_s:g} s")
 
 
 @functools.cache

@@ -44,6 +44,16 @@ def local_ray():
 
 
 @pytest.fixture
+def all_cpus_free(local_ray):
+    """Waits until the local Ray has both CPUs free again, for tests whose message shows what is
+    free: Ray frees an earlier test's workers and reservations asynchronously."""
+    deadline = time.monotonic() + 60
+    while local_ray.available_resources().get("CPU", 0) < 2:
+        assert time.monotonic() < deadline, f"the local Ray still has CPUs taken: {local_ray.available_resources()}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
 def hydra_compat_version_base():
     """Hydra's launcher suite expects the defaults of an app that names no version_base (a job runs
     in its output folder: hydra.job.chdir=true); importing orchestrate.app (tests/conftest.py) has
@@ -137,6 +147,7 @@ class TestWhatItAdds:
         with sweep_of(hydra_sweep_runner, tmp_path, task, "+a=0,1,2", "hydra.launcher.cpus_per_trial=0.5") as sweep:
             assert [r.return_value for r in sweep.returns[0]] == [{"CPU": 0.5}] * 3
 
+    @pytest.mark.usefixtures("all_cpus_free")
     def test_gpus_on_a_local_cluster_without_stop_the_sweep_at_once(self, hydra_sweep_runner, tmp_path):
         began = time.perf_counter()
         message = (r"^hydra.launcher.cpus_per_trial=1 hydra.launcher.gpus_per_trial=1: a trial asks for "
@@ -168,16 +179,15 @@ class TestWhatItAdds:
 
 @pytest.mark.usefixtures("local_ray")
 class TestWaitForPlacement:
+    @pytest.mark.usefixtures("all_cpus_free")
     def test_bundles_that_fit_return_at_once(self):
         began = time.perf_counter()
         ray_cluster.wait_for_placement([{"CPU": 1}] * 2, "PACK", 5, "x", "t")
         ray_cluster.wait_for_placement([{"CPU": 0, "GPU": 0}], "PACK", 5, "x", "t")  # nothing to reserve
         assert time.perf_counter() - began < 5
 
-    def test_bundles_that_do_not_fit_say_what_was_asked(self, local_ray):
-        deadline = time.monotonic() + 30  # Ray frees an earlier test's reservations asynchronously
-        while local_ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+    @pytest.mark.usefixtures("all_cpus_free")
+    def test_bundles_that_do_not_fit_say_what_was_asked(self):
         began = time.perf_counter()
         with pytest.raises(ray_cluster.PlacementError, match=(
                 r"^trainer.num_workers=3: the run asks for 3 x \{'CPU': 1\} \(SPREAD\) and could not be placed "
