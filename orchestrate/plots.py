@@ -1,17 +1,19 @@
-"""Loss curves as PNG files (matplotlib, no display needed)."""
+"""Loss curves as PNG files (matplotlib, no display needed).
+
+A bare `Figure` draws with the Agg renderer: no pyplot, no GUI backend chosen for the whole
+process, and matplotlib is imported only when a chart is drawn (not on a command that is refused).
+"""
 
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
     """`curves`: label -> metric name -> [(step, value)]. Train loss solid, eval loss dashed,
     one colour per label, so several runs overlay on one chart."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for i, (label, history) in enumerate(curves.items()):
         colour = f"C{i % 10}"
         for metric, style in (("train/loss", "-"), ("eval/loss", "--")):
@@ -29,5 +31,4 @@ def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Pat
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -18,7 +18,7 @@ from orchestrate import plots
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _summary, plan
 from orchestrate.sweeps.callbacks import NO_URLS, Handover
-from orchestrate.tracking import absolute_uri, set_env, training_experiment, ui_command
+from orchestrate.tracking import absolute_uri, new_sqlite_store, set_env, training_experiment, ui_command
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -83,6 +83,7 @@ class Sweep:
         self.began = time.time()
         self.server = None
         uri = absolute_uri(settings.tracking_uri)
+        new_sqlite_store(uri)
         if uri.startswith("sqlite:") and settings.tracking_server:
             if str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
                 # Its trials run on other machines: neither this machine's 127.0.0.1 nor its disk is theirs.
