@@ -85,7 +85,7 @@ def child(argv: list[str], modules_file: Path, result_file: Path) -> None:
 
     import hydra._internal.hydra
 
-    from orchestrate import app, cli, job, tracking
+    from orchestrate import cli, job, tracking
     from orchestrate.backends.torch import TorchBackend
 
     in_check = lambda stack: "up-front check" if any(p == "up-front check" for p, _ in stack) else "model build"
