@@ -26,6 +26,7 @@ from tests.helpers import free_port
 STEPS = 10
 QUICK = ["data=synthetic", "trainer=quick", f"trainer.max_steps={STEPS}", "trainer.display_loss_steps=1",
          "model.hidden=[32]"]
+LRS = [round(1e-3 * (i + 1), 4) for i in range(16)]  # a 16-trial sweep: 16 writers at once, and the runner
 LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
 
 
@@ -113,13 +114,13 @@ def team(folder):
 
 @pytest.fixture(scope="module")
 def tracked(team, folder):
-    """A three-trial sweep (Ray launcher, trials at once) and a two-worker runner run, both at
-    once, logged to the server; each command's finished process (stdout and stderr in one)."""
+    """A 16-trial sweep (Ray launcher, all trials at once) and a two-worker runner run, both at
+    once: 18 writers on the server; each command's finished process (stdout and stderr in one)."""
     runs = folder / "runs"
     runs.mkdir()
     commands = {
-        "sweep": orchestrate("+sweep=lr_grid", "backend=torch", *QUICK, "tracking=server", f"tracking.uri={team.uri}",
-                             "hydra.launcher.cpus_per_trial=0.5"),
+        "sweep": orchestrate("-m", f"optimizer.lr={','.join(map(str, LRS))}", "backend=torch", *QUICK, "tracking=server",
+                             f"tracking.uri={team.uri}", f"hydra.launcher.cpus_per_trial={1 / len(LRS)}"),
         "runner": orchestrate("backend=runner", "backend.engine=torch", "trainer.num_workers=2", *QUICK,
                               "trainer.checkpoint_period=5", "tracking=server", f"tracking.uri={team.uri}",
                               "tracking.run_name=runner-on-postgres"),
@@ -144,7 +145,8 @@ def test_a_sweep_logs_every_trial_and_step(tracked, team):
     (parent,) = [r for r in runs if r.data.tags.get("orchestrate.role") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.info.status == "FINISHED"
-    assert sorted(float(c.data.params["optimizer.lr"]) for c in children) == [1e-3, 3e-3, 1e-2]
+    assert sorted(float(c.data.params["optimizer.lr"]) for c in children) == LRS
+    assert len({c.data.tags["pid"] for c in children}) == len(LRS)  # one worker process each, all at once
     for child in children:
         assert child.info.status == "FINISHED"
         assert [s for s, _ in metric_steps(client, child.info.run_id, "train/loss")] == list(range(1, STEPS + 1))
@@ -181,9 +183,9 @@ def test_the_store_is_postgresql(tracked, team):
         cur.execute("SELECT version()")
         assert cur.fetchone()[0].startswith("PostgreSQL")
         cur.execute("SELECT run_uuid FROM runs")
-        assert {row[0] for row in cur.fetchall()} == ids  # 1 parent + 3 trials + the runner
+        assert {row[0] for row in cur.fetchall()} == ids  # 1 parent + 16 trials + the runner
         cur.execute("SELECT count(*) FROM metrics WHERE key = 'train/loss' GROUP BY run_uuid")
-        assert sorted(row[0] for row in cur.fetchall()) == [STEPS] * 4
+        assert sorted(row[0] for row in cur.fetchall()) == [STEPS] * (len(LRS) + 1)
 
 
 @pytest.mark.slow
