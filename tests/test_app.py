@@ -92,12 +92,13 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
     assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
 
 
-@pytest.mark.parametrize("backend", ["torch", "ondevice", pytest.param("runner", marks=pytest.mark.slow)])
-def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["torch", "ortmodule", "ondevice", pytest.param("runner", marks=pytest.mark.slow)])
+def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd):
     """A run is killed with SIGKILL in step 27, after checkpoints at 10 and 20 (its data set kills
     the process: an on-device model runs inside ORT); the same command with trainer.resume=auto
     goes on from step 20 in the same MLflow run: every step logged once, and the losses and
-    weights of a run that never stopped, through a linear warm-up and decay and dropout's masks."""
+    weights of a run that never stopped, through a linear warm-up and decay and dropout's masks.
+    (capfd: ORTModule redirects the process's file descriptors while it exports.)"""
     marker = tmp_path / "kill_while_this_exists"
     marker.touch()
     overrides = [f"backend={backend}", "trainer.max_steps=40", "trainer.checkpoint_period=10",
@@ -120,7 +121,7 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
     # resume makes its run's experiment the active one, whatever an earlier run here set).
     reference = app.train(make_cfg(*overrides, "data.marker="), tmp_path / "reference")
     resumed = app.train(make_cfg(*overrides, "trainer.resume=auto"), tmp_path / "second")
-    assert f"resuming MLflow run {resumed.run_id} after step 20" in capsys.readouterr().out
+    assert f"resuming MLflow run {resumed.run_id} after step 20" in capfd.readouterr().out
     assert served_twice(marker) == list(range(20, 26))  # steps 21-26 ran again, none before
 
     client = client_for(uri)

@@ -170,6 +170,15 @@ class ORTModuleBackend(TorchBackend):
 
             manager._get_session_config = types.MethodType(with_threads, manager)
 
+    def seed_step(self, step: int, job) -> None:
+        # ORTModule's Dropout runs inside ORT and draws from ORT's one process-wide generator,
+        # whose position no checkpoint holds: a resumed run drew other masks. Seeded from (seed,
+        # step) before every step, as the on-device loop does, a step draws the same masks in a
+        # resumed run as in one that never stopped.
+        from onnxruntime import set_seed
+
+        set_seed((job.trainer.seed * 2**32 + step) % 2**63)
+
     def make_optimizer(self, model: torch.nn.Module, job) -> torch.optim.Optimizer:
         optimizer = job.make_optimizer(model.parameters())
         if self.fp16_optimizer:

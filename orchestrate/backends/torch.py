@@ -3,9 +3,9 @@ that ORTModule and the runner's workers run too.
 
     python -m orchestrate backend=torch
 
-Subclasses change two hooks, not the loop: `wrap` (ORTModule wraps the model) and
-`make_optimizer`. On the runner's workers (`job.parallel`) the same loop is ORT's TrainingRunner
-step: K-1 GradientAccumulateSteps (forward and backward, no AllReduce), then the
+Subclasses change three hooks, not the loop: `wrap` (ORTModule wraps the model),
+`make_optimizer` and `seed_step`. On the runner's workers (`job.parallel`) the same loop is ORT's
+TrainingRunner step: K-1 GradientAccumulateSteps (forward and backward, no AllReduce), then the
 ModelUpdateStep (forward, backward, AllReduce, optimizer step, schedule step). With one process
 (K = 1, no workers) every one of those hooks does nothing.
 """
@@ -35,12 +35,15 @@ class TorchBackend(Backend):
             raise ConfigError(f"backend.intra_op_threads={self.intra_op_threads}: allowed: 0 (the default pool) "
                               "or a number of threads")
 
-    # The two hooks ORTModule overrides: everything else in the loop is plain PyTorch.
+    # The hooks ORTModule overrides: everything else in the loop is plain PyTorch.
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
         return model
 
     def make_optimizer(self, model: torch.nn.Module, job) -> torch.optim.Optimizer:
         return job.make_optimizer(model.parameters())
+
+    def seed_step(self, step: int, job) -> None:
+        """Before each step: nothing here (torch's generator state travels in the checkpoint)."""
 
     def fit(self, job) -> None:
         if self.intra_op_threads:
@@ -63,6 +66,7 @@ class TorchBackend(Backend):
         model.train()
 
         for step in meter.steps(start=done + 1):
+            self.seed_step(step, job)
             loss_sum = 0.0
             for micro in range(K):
                 x, y = job.train_batch(step, micro)
