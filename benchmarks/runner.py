@@ -5,6 +5,13 @@ no bookkeeping), and the cost of `ray.train.report`.
     python benchmarks/runner.py                      # MLP 64-512-512-10 on digits, batch 512 per worker, AdamW
     python benchmarks/runner.py --steps 600 --engines torch ortmodule
     python benchmarks/runner.py --report-cost        # ray.train.report: direct vs the runner's Reporter
+    python benchmarks/runner.py --startup --scaling --steps 300 --engines torch   # start-up split; 2 vs 1 worker
+
+`--startup` splits one runner run's start, from `app.train` to the first step: the job's checks,
+Ray's start, the placement check, then the MLflow run, Ray Train's controller and the worker
+processes up to the first step, and the first step itself (read from MLflow: train/loss at step 1
+and its perf/step_time_ms). `--scaling` runs 1 and 2 workers on the same global batch (the
+batch split over the workers): the speed-up data parallelism gives on this machine.
 
 `samples/s` is the steady state, summed over workers (the first display window, with graph
 builds, is left out by both loops alike); `wall s` is the whole call, start-up included. The
@@ -19,18 +26,60 @@ import tempfile
 import time
 from pathlib import Path
 
-def runner(engine: str, workers: int, steps: int, batch: int, tmp: str) -> dict:
+def runner(engine: str, workers: int, steps: int, batch: int, tmp: str, display: int = 50) -> dict:
     from orchestrate import app
 
     cfg = app.load_config(["backend=runner", f"backend.engine={engine}", f"trainer.num_workers={workers}",
                            f"trainer.max_steps={steps}", "trainer.progress=false", "trainer.evaluation_period=0",
-                           "trainer.checkpoint_period=0", "trainer.display_loss_steps=50",
+                           "trainer.checkpoint_period=0", f"trainer.display_loss_steps={display}",
                            f"tracking.uri=sqlite:///{tmp}/bench.db", "tracking.experiment=runner-benchmark",
                            "tracking.log_checkpoints=false", "model.hidden=[512,512]", f"trainer.batch_size={batch}"])
-    began = time.perf_counter()
-    metrics = app.train(cfg, Path(tmp) / f"{engine}-{workers}-{time.time_ns()}").metrics
-    return {"samples_per_sec": metrics["samples_per_sec"], "wall_s": time.perf_counter() - began,
-            "train_loss": metrics["train_loss"]}
+    began, began_epoch = time.perf_counter(), time.time()
+    result = app.train(cfg, Path(tmp) / f"{engine}-{workers}-{time.time_ns()}")
+    return {"samples_per_sec": result.metrics["samples_per_sec"], "wall_s": time.perf_counter() - began,
+            "train_loss": result.metrics["train_loss"], "run_id": result.run_id, "began": began_epoch}
+
+
+def startup(engine: str, workers: int, batch: int, tmp: str) -> list[tuple[str, float]]:
+    """Where a runner run's start goes: the driver's phases timed around `ray_cluster`'s calls,
+    the rest from the run's step-1 metrics."""
+    import sqlite3
+
+    from orchestrate import ray_cluster
+
+    marks: dict[str, tuple[float, float]] = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            start = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks[name] = (start, time.time())
+        return call
+
+    saved = ray_cluster.init, ray_cluster.wait_for_placement
+    ray_cluster.init, ray_cluster.wait_for_placement = timed("ray", saved[0]), timed("placement", saved[1])
+    try:
+        ran = runner(engine, workers, 30, batch, tmp, display=1)
+    finally:
+        ray_cluster.init, ray_cluster.wait_for_placement = saved
+    with sqlite3.connect(f"{tmp}/bench.db") as db:
+        logged_ms, step_ms = db.execute(
+            "SELECT a.timestamp, b.value FROM metrics a JOIN metrics b ON a.run_uuid = b.run_uuid AND b.step = 1 "
+            "AND b.key = 'perf/step_time_ms' WHERE a.run_uuid = ? AND a.key = 'train/loss' AND a.step = 1",
+            (ran["run_id"],)).fetchone()
+    first_done = logged_ms / 1000 - ran["began"]
+    ray_start, ray_end = (t - ran["began"] for t in marks["ray"])
+    placed = marks["placement"][1] - ran["began"]
+    return [("job checks (Job.prepare: data, model, backend)", ray_start),
+            ("Ray start (local instance)", ray_end - ray_start),
+            ("placement check (a placement group for the workers)", placed - ray_end),
+            ("MLflow run, Ray Train controller, worker processes, model build",
+             first_done - step_ms / 1000 - placed),
+            ("first step (graph builds, the first all-reduce)", step_ms / 1000),
+            ("**app.train to the first step done**", first_done),
+            ("whole run (30 steps, wall)", ran["wall_s"])]
 
 
 def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, batch: int, out) -> None:
@@ -153,9 +202,15 @@ def main() -> None:
     parser.add_argument("--reports", type=int, default=40)
     parser.add_argument("--gaps", nargs="+", type=float, default=[0.005, 0.05, 0.2],
                         help="seconds of work between two reports (--report-cost)")
+    parser.add_argument("--startup", action="store_true", help="split the start-up of one run per engine")
+    parser.add_argument("--scaling", action="store_true", help="1 vs 2 workers on the same global batch (--batch)")
+    parser.add_argument("--png", default=str(Path(__file__).resolve().parents[1] / "docs" / "runner.png"))
     args = parser.parse_args()
     if args.report_cost:
         report_cost(args.reports, args.gaps)
+        return
+    if args.startup or args.scaling:
+        startup_and_scaling(args)
         return
 
     rows = []
@@ -174,6 +229,62 @@ def main() -> None:
         ratio = f"{ran['samples_per_sec'] / hand['samples_per_sec']:>5.2f}x" if hand else f"{'-':>6}"
         hand_wall = f"{hand['wall_s']:>11.1f}" if hand else f"{'-':>11}"
         print(f"{engine:<10} {workers:>7} {ran['samples_per_sec']:>10,.0f} {hand_sps} {ratio} {ran['wall_s']:>7.1f} {hand_wall}")
+
+
+def startup_and_scaling(args) -> None:
+    splits, scaling = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in args.engines:
+            if args.startup:
+                splits[engine] = startup(engine, 2, args.batch // 2, tmp)
+            if args.scaling:
+                one = runner(engine, 1, args.steps, args.batch, tmp)
+                two = runner(engine, 2, args.steps, args.batch // 2, tmp)
+                scaling.append((engine, one, two))
+    if splits:
+        print(f"\n### Runner start-up, 2 workers (30 steps, MLP 64-512-512-10, batch {args.batch // 2} per worker)\n")
+        print("| phase | " + " | ".join(f"{e} s" for e in splits) + " |")
+        print("|---|" + "---:|" * len(splits))
+        for i, (name, _) in enumerate(next(iter(splits.values()))):
+            print(f"| {name} | " + " | ".join(f"{split[i][1]:.1f}" for split in splits.values()) + " |")
+    if scaling:
+        print(f"\n### 2 workers against 1 on the same global batch ({args.batch}), {args.steps} steps, "
+              f"1 CPU thread per worker\n")
+        print("| engine | 1 worker samples/s | 2 workers samples/s | speed-up | 1 worker wall s | 2 workers wall s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for engine, one, two in scaling:
+            print(f"| {engine} | {one['samples_per_sec']:,.0f} | {two['samples_per_sec']:,.0f} | "
+                  f"{two['samples_per_sec'] / one['samples_per_sec']:.2f}x | {one['wall_s']:.1f} | {two['wall_s']:.1f} |")
+    plot(splits, scaling, Path(args.png))
+
+
+def plot(splits: dict, scaling: list, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for row, (engine, split) in enumerate(splits.items()):
+        left = 0.0
+        for i, (name, s) in enumerate(split[:5]):
+            axes[0].barh(row, s, left=left, color=f"C{i}", label=name[:45] if row == 0 else None)
+            left += s
+    axes[0].set_yticks(range(len(splits)), list(splits))
+    axes[0].set_xlabel("seconds from app.train")
+    axes[0].set_title("runner start-up, 2 workers", fontsize=10)
+    axes[0].legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    xs = range(len(scaling))
+    axes[1].bar([x - 0.2 for x in xs], [one["samples_per_sec"] for _, one, _ in scaling], 0.4, label="1 worker")
+    axes[1].bar([x + 0.2 for x in xs], [two["samples_per_sec"] for _, _, two in scaling], 0.4, label="2 workers")
+    axes[1].set_xticks(list(xs), [e for e, _, _ in scaling])
+    axes[1].set_ylabel("samples/s")
+    axes[1].set_title("same global batch", fontsize=10)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    print(f"\nwrote {png}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The run's outbox: what a run logs to MLflow while it trains (metrics, tags, artifacts that could
 not be uploaded at once) is sent by one background thread, in the order it was logged, so that
-training never waits for the tracking server.
+training never waits for the tracking server. Points wait up to a second (LINGER_S) for others,
+so that one request carries many display steps; flushing (before a checkpoint counts) and the end
+of the run send at once.
 
 While the server is away (stopped, restarting, the network down) the outbox keeps everything in
 memory, says so once, tries again every few seconds, and says once more when the server is back.
@@ -26,6 +28,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # between two attempts while the server is away
+# Metrics and tags wait up to this long for more before a request goes out. Against a SQLite
+# store the request runs in this process, and each one costs about 7 ms of CPU on top of about
+# 0.6 ms a metric (MLflow's SQL store, measured on 2 cores): sent as logged, every 25 steps, the
+# requests alone took 15-25% of the digits MLP's training time. `flush` and `close` do not wait.
+LINGER_S = 1.0
 END_WAIT_S = 60.0  # how long the end of a run waits for a server that is away
 KEPT_LIMIT = 200_000  # items kept in memory during an outage (about 60 MB); later ones go to the file
 MAX_METRICS, MAX_TAGS = 1000, 100  # MLflow's limits for one log_batch request
@@ -74,6 +81,7 @@ class Outbox:
         self.away_since: float | None = None  # when the server stopped answering; None: it answers
         self.stopped = False
         self.done = threading.Event()  # set with `stopped`: the thread's pause between attempts ends
+        self.urgent = 0  # callers of flush() or close() waiting: send without lingering
         self.spilled = 0  # items written straight to the file (the memory limit was reached)
         self.refused = 0  # items the server answered with an error (HTTP 4xx): not sent again
         self.thread = threading.Thread(target=self._run, name=f"mlflow-outbox-{run_id[:8]}", daemon=True)
@@ -107,12 +115,17 @@ class Outbox:
         at once (training does not wait for it; the items stay kept). True when all was sent."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
-            while self.items and not self.away and not self.stopped:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self.cond.wait(left)
-            return not self.items
+            self.urgent += 1
+            self.cond.notify_all()
+            try:
+                while self.items and not self.away and not self.stopped:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self.cond.wait(left)
+                return not self.items
+            finally:
+                self.urgent -= 1
 
     def close(self, wait_s: float = END_WAIT_S) -> bool:
         """The end of the run: send what is left, waiting up to `wait_s` for a server that is away;
@@ -122,6 +135,8 @@ class Outbox:
         with self.cond:
             if self.stopped:
                 return not self.items and not self.spilled
+            self.urgent += 1  # never decremented: nothing lingers after the end
+            self.cond.notify_all()
             if self.away and self.items:
                 log.warning(f"MLflow at {self.uri} is still away at the end of the run: waiting up to "
                             f"{wait_s:.0f} s for it to take the {len(self.items)} kept item(s)")
@@ -146,6 +161,7 @@ class Outbox:
             with self.cond:
                 while not self.items and not self.stopped:
                     self.cond.wait()
+                self._linger()
                 if self.stopped:
                     return
                 batch = self._next_batch()  # left at the front until sent: flush() waits for it too
@@ -172,6 +188,15 @@ class Outbox:
                 self.cond.notify_all()
             if error is not None and server_away(error):
                 self.done.wait(RETRY_S)
+
+    def _linger(self) -> None:
+        """(Holding the lock, with items waiting.) Give more items LINGER_S to arrive, unless
+        someone waits for them to be sent, one request's worth is there already, or the server is
+        away (the pause between attempts is RETRY_S)."""
+        until = time.monotonic() + LINGER_S
+        while (not self.stopped and not self.urgent and not self.away and len(self.items) < MAX_METRICS
+               and (left := until - time.monotonic()) > 0):
+            self.cond.wait(left)
 
     def _next_batch(self) -> list:
         """The items at the front that one request takes: one artifact, or metrics and tags up to

@@ -1,0 +1,216 @@
+"""What orchestrate's loop costs per step: each backend's loop through `orchestrate.app.train`
+(default metric logging: train/loss, throughput, lr, gradient and parameter norms every
+trainer.display_loss_steps, sent to MLflow) against a hand-written loop over the same model,
+batches, optimizer, seed and thread settings, with nothing logged.
+
+    python benchmarks/bookkeeping.py                               # digits MLP, 3000 steps, 3 repeats
+    python benchmarks/bookkeeping.py --steps 1000 --repeats 2 --backends torch ondevice
+    python benchmarks/bookkeeping.py --overrides backend.intra_op_threads=1   # torch on one thread too
+
+On a machine whose cores are busy with other work, PyTorch's default pool (one thread per core)
+collapses (spinning threads wait for descheduled ones: 867 samples/s seen for 30k+ idle): there,
+compare with one thread for every backend.
+
+Eval and checkpoints are off in both. The hand-written loops:
+  torch      forward, loss, backward, AdamW step, zero_grad; the loss read (.item()) every step,
+             as any loop that reports a mean loss must.
+  ortmodule  the same loop around `ORTModule(model)`, whose sessions get the options orchestrate's
+             backend gives them (intra-op threads, spinning: `orchestrate.ort.configure`), torch
+             with the same thread count, ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=1 as conf sets.
+  ondevice   `Module(batch)`, `Optimizer.step()`, `lazy_reset_grad()` over the artifacts
+             orchestrate's backend builds (graph building is start-up, not the loop), with the
+             same session options.
+Both sides are timed the same way: steps after the first display window (graph builds, warm-up)
+to the last one, wall clock. Runs are interleaved (hand, orchestrate, hand, ...) per backend and
+repeated; the table shows medians and orchestrate / hand-written. The PNG goes to docs/bookkeeping.png.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from orchestrate import app, losses, ort, process
+from orchestrate.job import Job, seed_everything
+
+BACKENDS = ["torch", "ortmodule", "ondevice"]
+TARGET = 0.95  # orchestrate's samples/s over the hand-written loop's
+
+
+def config(backend: str, steps: int, tmp: str, overrides: list[str]):
+    return app.load_config([f"backend={backend}", f"trainer.max_steps={steps}", "trainer.progress=false",
+                            "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
+                            f"tracking.uri=sqlite:///{tmp}/bench.db", "tracking.experiment=bookkeeping",
+                            "tracking.log_checkpoints=false", *overrides])
+
+
+def timed_loop(step_fn, steps: int, warmup: int) -> float:
+    """Run step_fn(step) for steps 1..steps; seconds of steps warmup+1..steps."""
+    for step in range(1, warmup + 1):
+        step_fn(step)
+    began = time.perf_counter()
+    for step in range(warmup + 1, steps + 1):
+        step_fn(step)
+    return time.perf_counter() - began
+
+
+def hand_torch(job: Job, wrap=None) -> float:
+    """The plain PyTorch loop (ORTModule's when `wrap` wraps the model)."""
+    t, data = job.trainer, job.data
+    if job.backend.intra_op_threads:  # as TorchBackend.fit does (ortmodule sets 1)
+        torch.set_num_threads(job.backend.intra_op_threads)
+    model = wrap(job.model) if wrap else job.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    loss_fn = losses.get(data.loss).torch
+    model.train()
+    total = [0.0]
+
+    def step(i: int) -> None:
+        x, y = data.train_batch(i - 1, t.batch_size, t.seed)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total[0] += loss.item()
+
+    return timed_loop(step, t.max_steps, t.display_loss_steps)
+
+
+def hand_ortmodule(job: Job) -> float:
+    backend = job.backend
+    os.environ.update({k: str(v) for k, v in backend.options.items()})
+    ort.quiet(backend.log_level)
+    from onnxruntime.training.ortmodule import ORTModule
+
+    def wrap(model):
+        wrapped = ORTModule(model)
+        factory = wrapped._torch_module._execution_manager
+        for manager in (factory._training_manager, factory._inference_manager):
+            original = manager._get_session_config
+
+            def with_threads(self_, original=original):
+                options, providers, provider_options = original()
+                ort.configure(options, backend.intra_op_threads, backend.allow_spinning, backend.mapped_dimensions)
+                return options, providers, provider_options
+
+            manager._get_session_config = types.MethodType(with_threads, manager)
+        return wrapped
+
+    return hand_torch(job, wrap)
+
+
+def hand_ondevice(job: Job) -> float:
+    backend, t, data = job.backend, job.trainer, job.data
+    ort.quiet(backend.log_level)
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    folder = job.out_dir / "artifacts"
+    with ort.stderr_logged():
+        backend.generate_artifacts(job, folder)
+    options = ort.session_options(backend.intra_op_threads, backend.allow_spinning, backend.mapped_dimensions,
+                                  backend.log_level)
+    state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                    device="cpu", session_options=options)
+    optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(job.lr)
+    module.train()
+    total = [0.0]
+
+    def step(i: int) -> None:
+        x, y = data.train_batch(i - 1, t.batch_size, t.seed)
+        loss, _ = module(x.numpy(), y.numpy())
+        optimizer.step()
+        module.lazy_reset_grad()
+        total[0] += float(loss)
+
+    return timed_loop(step, t.max_steps, t.display_loss_steps)
+
+
+HAND = {"torch": hand_torch, "ortmodule": hand_ortmodule, "ondevice": hand_ondevice}
+
+
+def hand_written(cfg, out_dir: Path) -> float:
+    """samples/s of the hand-written loop (built from the same config, same seed)."""
+    seed_everything(cfg.trainer.seed)
+    job = Job.prepare(cfg, out_dir)
+    with process.kept():  # thread counts and environment back as they were
+        seconds = HAND[job.backend.name](job)
+    t = job.trainer
+    return (t.max_steps - t.display_loss_steps) * t.batch_size / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--png", default=str(Path(__file__).resolve().parents[1] / "docs" / "bookkeeping.png"))
+    args = parser.parse_args()
+
+    hand: dict[str, list[float]] = {b: [] for b in args.backends}
+    ours: dict[str, list[float]] = {b: [] for b in args.backends}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for backend in args.backends:
+                cfg = config(backend, args.steps, tmp, args.overrides)
+                # Alternate which goes first: neither always gets the warmer caches.
+                order = ["hand", "ours"] if rep % 2 == 0 else ["ours", "hand"]
+                for who in order:
+                    out = Path(tmp) / f"{backend}-{who}-{rep}"
+                    began = time.perf_counter()
+                    if who == "hand":
+                        hand[backend].append(hand_written(cfg, out))
+                    else:
+                        ours[backend].append(app.train(cfg, out).metrics["samples_per_sec"])
+                    got = (hand if who == "hand" else ours)[backend][-1]
+                    print(f"# repeat {rep} {backend} {who}: {got:,.0f} samples/s ({time.perf_counter() - began:.1f} s "
+                          "with start-up)", file=sys.stderr, flush=True)
+
+    rows = []
+    for backend in args.backends:
+        h, o = statistics.median(hand[backend]), statistics.median(ours[backend])
+        # The ratio of the medians, and the spread of the per-repeat ratios (same repeat, same drift).
+        ratios = [b / a for a, b in zip(hand[backend], ours[backend])]
+        rows.append((backend, h, o, o / h, min(ratios), max(ratios)))
+    print(f"\n{args.steps} steps x {args.repeats} repeats, {' '.join(args.overrides) or 'digits MLP, batch 64, AdamW'}, "
+          f"eval and checkpoints off, orchestrate logging every {cfg.trainer.display_loss_steps} steps to MLflow (SQLite)\n")
+    print("| backend | hand-written samples/s | orchestrate samples/s | ratio | ratio range | target | met |")
+    print("|---|---:|---:|---:|---:|---:|:--:|")
+    for backend, h, o, r, lo, hi in rows:
+        print(f"| {backend} | {h:,.0f} | {o:,.0f} | {r:.3f} | {lo:.3f}-{hi:.3f} | {TARGET} | "
+              f"{'yes' if r >= TARGET else 'no'} |")
+    plot(rows, Path(args.png), args)
+
+
+def plot(rows, png: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="hand-written")
+    ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="orchestrate (app.train)")
+    for x, r in zip(xs, rows):
+        ax.text(x + 0.2, r[2], f"{r[3]:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [r[0] for r in rows])
+    ax.set_ylabel("samples/s (median)")
+    ax.set_title(f"Loop bookkeeping: digits MLP, {args.steps} steps x {args.repeats}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    print(f"\nwrote {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Bad input beyond tests/test_cli.py's single-run catalogue: sweeps, experiments, launcher
+options, Ray and MLflow addresses, malformed override syntax. Each is refused up front by
+`python -m orchestrate` with one plain line, exit code 2, nothing written, within 15 s."""
+
+import sys
+import time
+
+import pytest
+
+from orchestrate.cli import main
+
+CASES = [
+    # sweeps
+    (["-m", "trainer.max_steps=1,abc"], "trainer.max_steps: Value 'abc' of type 'str' could not be converted"),
+    (["-m", "optimizer.lr=0.1,-1"], "trial 1 (optimizer.lr=-1): optimizer.lr=-1 (torch.optim.AdamW): Invalid learning rate"),
+    (["+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
+    (["+dry_run", "+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
+    # experiments
+    (["+experiment=nope"], "experiment=nope: no such choice; allowed: backend_shootout, char_lm, lr_search"),
+    # launcher options, sweeps that can never be placed
+    (["-m", "hydra.launcher.cpus_per_trial=999", "optimizer.lr=0.1,0.2"],
+     "hydra.launcher.cpus_per_trial=999: a trial asks for more CPUs than the local Ray instance has"),
+    (["-m", "hydra.launcher.gpus_per_trial=1", "optimizer.lr=0.1,0.2"], "hydra.launcher.gpus_per_trial=1: this machine has 0 GPU(s)"),
+    (["-m", "hydra.launcher.nope=1", "optimizer.lr=0.1,0.2"], "hydra.launcher.nope: unknown key"),
+    (["-m", "hydra.launcher.placement_timeout_s=abc", "optimizer.lr=0.1,0.2"],
+     "hydra.launcher.placement_timeout_s: Value 'abc' of type 'str' could not be converted to Float"),
+    # runner backend
+    (["backend=runner", "trainer.num_workers=0"], "trainer.num_workers=0: must be at least 1"),
+    (["backend=runner", "trainer.num_workers=-1"], "trainer.num_workers=-1: must be at least 1"),
+    (["backend=runner", "backend.cpus_per_worker=999"], "asks for 999 CPUs; this machine has"),
+    # MLflow
+    (["trainer.max_steps=1", "tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: no MLflow server answers"),
+    (["tracking=nope"], "tracking=nope: no such choice; allowed: mlflow, server"),
+    (["trainer.resume=zzz"], "trainer.resume=zzz: no MLflow store at sqlite:///mlflow.db, so no such run"),
+    # keys, types, ranges
+    (["trainer.max_steps="], "trainer.max_steps: Value '' of type 'str' could not be converted to Integer"),
+    (["trainer.max_steps=1e400"], "trainer.max_steps: Value 'inf' of type 'float' could not be converted to Integer"),
+    (["trainer.batch_size=0"], "trainer.batch_size=0: must be at least 1"),
+    (["trainer.batch_size=-3"], "trainer.batch_size=-3: must be at least 1"),
+    (["trainer=nope"], "trainer=nope: no such choice; allowed: default, quick"),
+    (["foo=1"], "foo: unknown key"),
+    (["trainer.max_steps=${nope}"], "trainer.max_steps: Interpolation key 'nope' not found"),
+    (["trainer.max_steps=${oc.env:NOPE_X}"], "Environment variable 'NOPE_X' not found"),
+    # unknown _target_s
+    (["model._target_=nonexistent_pkg.X"], "model._target_=nonexistent_pkg.X: cannot import it"),
+    (["model._target_=os.system"], "model.in_features: unknown key for os.system"),
+    # malformed override syntax
+    (["trainer.max_steps=[1"], "no viable alternative at input '[1'"),
+    (["trainer.max_steps=1)"], "Error parsing override 'trainer.max_steps=1)'"),
+    (["--config-dir", "/nonexistent"], "--config-dir /nonexistent: no such folder"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_refused_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *argv])
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert time.monotonic() - start < 15
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, mlruns, outputs/ or multirun/
