@@ -161,8 +161,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
             "data": cfg.data._target_, "config_key": config_key(cfg)}
-    # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not
-    with process.kept(), job.backend.connect(job):
+    # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not.
+    # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
+    with process.kept(), process.stop_on_signals(), job.backend.connect(job):
         resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
         if resume is not None:
             job.resume_state = checkpoints.load_checked(job.backend, job.model,
@@ -231,4 +232,15 @@ def hydra_main(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except checkpoints.CheckpointError as e:  # a full disk: one line, not a traceback through torch
+        if hydra_cfg.mode != RunMode.RUN:
+            raise
+        print(f"error: {e}; the MLflow run is marked FAILED", file=sys.stderr)
+        sys.exit(1)
+    except process.Stopped as e:
+        if hydra_cfg.mode != RunMode.RUN:
+            raise
+        print(f"stopped by {e}: the MLflow run is marked KILLED; the same command with trainer.resume=auto "
+              "continues it from its last checkpoint", file=sys.stderr)
+        sys.exit(128 + e.signum)  # as a shell reports a process ended by the signal
     return result.metrics.get(cfg.sweep.metric)

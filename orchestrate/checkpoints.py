@@ -5,11 +5,15 @@ format back (`Backend.load_checkpoint`): the on-device API's is ORT's Checkpoint
 (`orchestrate.backends.ondevice`).
 
 A checkpoint is written to a temporary name and renamed, so a crash never leaves a half-written
-file where a finished one was expected: the last finished checkpoint always survives.
+file where a finished one was expected: the last finished checkpoint always survives. A write that
+fails (a full disk) or is cut off (Ctrl-C, SIGTERM) removes its temporary file; a failed one stops
+the run with one line naming the folder and the cause (CheckpointError).
 """
 
+import errno
 import io
 import os
+import shutil
 import random
 import time
 from collections.abc import Callable
@@ -20,6 +24,11 @@ import numpy as np
 import torch
 
 from orchestrate.schema import ConfigError, TrainerConf
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message is one line: the step, the folder, the cause,
+    and which finished checkpoint is kept."""
 
 
 class Checkpoints:
@@ -45,14 +54,22 @@ class Checkpoints:
             self.folder.mkdir(parents=True, exist_ok=True)
             path = self.folder / f"step_{step:07d}{suffix}"
             tmp = self.folder / f".tmp_step_{step:07d}{suffix}"
-            write(tmp)
-            if self.tracker is not None:
-                # Every step up to this checkpoint reaches MLflow before the checkpoint counts (the
-                # rename below): a run resumed from it logs only the steps after it, so none may
-                # still be queued. Flushed after the rename, a kill in between lost steps 390-1000
-                # of a run resumed from step 1000.
-                self.tracker.flush()
-            os.replace(tmp, path)
+            try:
+                write(tmp)
+                if self.tracker is not None:
+                    # Every step up to this checkpoint reaches MLflow before the checkpoint counts (the
+                    # rename below): a run resumed from it logs only the steps after it, so none may
+                    # still be queued. Flushed after the rename, a kill in between lost steps 390-1000
+                    # of a run resumed from step 1000.
+                    self.tracker.flush()
+                os.replace(tmp, path)
+            except BaseException as e:
+                # Cut off (a signal's KeyboardInterrupt) or failed: no half file stays behind, and
+                # a full disk gets back the space the partial file took.
+                tmp.unlink(missing_ok=True)
+                if isinstance(e, Exception):
+                    raise CheckpointError(self._not_written(step, suffix, e)) from e
+                raise
             for old in sorted(self.folder.glob(f"step_*{suffix}"))[: -self.trainer.max_num_checkpoints]:
                 old.unlink()
             if self.tracker is not None and self.log_to_tracker:
@@ -61,6 +78,33 @@ class Checkpoints:
             self.on_save(step, path)
         self.seconds += time.perf_counter() - began
         return path
+
+
+    def _not_written(self, step: int, suffix: str, error: Exception) -> str:
+        kept = sorted(self.folder.glob(f"step_*{suffix}"))
+        return (f"checkpoint step {step} not written to {self.folder}: {write_cause(error, self.folder)}; "
+                f"{f'the last finished one, {kept[-1].name}, is kept' if kept else 'no earlier checkpoint there'}")
+
+
+def write_cause(error: BaseException, folder: Path) -> str:
+    """Why a write failed, in words: the OSError under the writer's own error when there is one
+    (torch's zip writer reports a full disk as "unexpected pos 448 vs 342", with the OSError as its
+    context), else the writer's first line; the space left on the file system when it is nearly full."""
+    seen, found = error, None
+    while seen is not None and found is None:
+        found = seen if isinstance(seen, OSError) and seen.errno else None
+        seen = seen.__cause__ or seen.__context__
+    if found is not None:
+        cause = os.strerror(found.errno)
+    else:
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0].rsplit("FAIL : ", 1)[-1][:300]
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return cause
+    if found is not None and found.errno in (errno.ENOSPC, errno.EDQUOT) or free < 1 << 20:
+        cause += f" ({free // 1024} KiB free on its file system)"
+    return cause
 
 
 def load_checked(backend, model: torch.nn.Module, path: Path) -> dict:
@@ -107,16 +151,19 @@ def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, schedul
     """Everything a resume needs (the list of ORT's TrainingRunner): the `progress` counts,
     weights, optimizer, schedule and loss-scaler state, and every RNG state."""
     np_state = np.random.get_state()
-    torch.save({
-        **progress(step, job),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler else None,
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-    }, path)
+    # Through a Python file: a failed write then raises an OSError that says why (torch's own
+    # writer would report only its position), found by write_cause.
+    with open(path, "wb") as f:
+        torch.save({
+            **progress(step, job),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        }, f)
 
 
 def load_torch(source: Path | bytes) -> dict:

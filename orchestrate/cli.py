@@ -49,7 +49,7 @@ def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.O
     while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
         cause = cause.__cause__
     if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
-        group = cause.missing_cfg_file.split("/")[0]
+        group = cause.missing_cfg_file.rsplit("/", 1)[0]  # hydra/launcher/nope -> hydra/launcher
         options = cause.options or []
         chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == group), "?")
         return f"{group}={chosen}: no such choice; allowed: {', '.join(options)}"
@@ -93,6 +93,8 @@ def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: li
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
         fail(explain(e, overrides, source))
+    except ValueError as e:  # Hydra's defaults list refuses a malformed group override (`=5`)
+        fail(f"{' '.join(overrides)}: {str(e).splitlines()[0]}")
 
 
 def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSource) -> None:
@@ -105,8 +107,13 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
     try:
         cfg = app.load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
+    except schema.ConfigError as e:
+        fail(str(e))
     except COMPOSITION_ERRORS as e:
-        fail(explain(e, overrides, source))
+        fail(explain(e, [*hydra_overrides, *overrides], source))
+    if not trials:
+        fail(f"{' '.join(overrides) or 'the sweep'}: the sweep has no trials (an empty range or list); "
+             "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     for index, trial in enumerate(trials):
         validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,

@@ -3,12 +3,15 @@
 environment, Ray's settings, how much of ORT's output the console shows: `orchestrate.ort.quiet`),
 and the MLflow run sets MLflow's process-wide tracking URI; a later run in the same process (a
 benchmark, a test, a sweep trial on Hydra's basic launcher, a Ray worker reused for the next
-trial) must not inherit them."""
+trial) must not inherit them. While a run is open, SIGTERM stops it as Ctrl-C does (`stop_on_signals`).
+"""
 
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -19,13 +22,18 @@ from orchestrate import ort
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
     """Restore torch's thread counts, the environment variables, MLflow's tracking URI, the
-    logging setup (logger levels, handler filters, whether Python warnings go to logging) and ORT's
-    default logger severity on the way out."""
+    logging setup (logger levels, handler filters, whether Python warnings go to logging), ORT's
+    default logger severity and the SIGINT and SIGTERM handlers on the way out (Ray Train's
+    `fit` installs a SIGINT handler of its own and never takes it back)."""
     threads, environ, mlflow_uri = torch.get_num_threads(), dict(os.environ), _mlflow_uri()
     logs, severity = _logging_state(), ort.default_severity()
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS} if _main_thread() else {}
     try:
         yield
     finally:
+        for signum, handler in handlers.items():
+            if signal.getsignal(signum) is not handler and handler is not None:
+                signal.signal(signum, handler)
         _restore_logging(logs)
         if ort.default_severity() != severity:
             ort.set_default_severity(severity)
@@ -40,6 +48,78 @@ def kept() -> Iterator[None]:
         for key, value in environ.items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
+
+
+# What Ctrl-C (SIGINT), `docker stop`, Slurm's scancel and `ray job stop` (SIGTERM) send.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped by a signal: a KeyboardInterrupt, so everything that cleans up after Ctrl-C
+    (the MLflow run marked KILLED, Ray shut down, a half-written checkpoint removed) does so alike."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM raise Stopped in the main thread (Python's default
+    SIGTERM ends the process on the spot: the MLflow run would stay RUNNING, Ray's processes
+    orphaned). The first signal stops the run; later ones, while it closes (the MLflow run's end,
+    Ray's shutdown, each bounded), are reported and ignored: SIGKILL still ends it at once. The
+    previous handlers come back on the way out. Elsewhere than the main thread (signals are
+    delivered there only) nothing changes."""
+    global _received, _stop
+    if not _main_thread():
+        yield
+        return
+    outer, _received = _received, []
+
+    def stop(signum, frame) -> None:
+        if _received:
+            print(f"{signal.Signals(signum).name}: stopping already (closing the MLflow run); "
+                  "SIGKILL ends the process at once", file=sys.stderr, flush=True)
+            return
+        _received.append(signum)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    outer_stop, _stop = _stop, stop
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _received, _stop = outer, outer_stop
+
+
+_received: list[int] = []  # the signal that stopped the run in the innermost stop_on_signals block
+_stop = None  # that block's handler, which reinstall_handlers puts back
+
+
+def stopped_by() -> Stopped | None:
+    """The Stopped of the signal that stopped the run, for code that sees only a plain
+    KeyboardInterrupt (Ray's wait for a result turns the handler's exception into one)."""
+    return Stopped(_received[0]) if _received else None
+
+
+def reinstall_handlers() -> None:
+    """Put the run's SIGINT and SIGTERM handlers back in force, beneath Python too: `ray.init` sets
+    a Python SIGTERM handler of its own (`sys.exit(15)`: the run would end FAILED), and Ray's core
+    worker a native failure-signal handler that prints a stack trace and aborts, which Python would
+    never hear of. Outside a stop_on_signals block, Python's current handlers are set again."""
+    if not _main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        handler = _stop if _stop is not None else signal.getsignal(signum)
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 MLFLOW_URI_MODULE = "mlflow.tracking._tracking_service.utils"  # holds `_tracking_uri`

@@ -143,6 +143,9 @@ def check(cfg: DictConfig) -> None:
     for group in ["backend", "model", "data", "optimizer"]:
         if "_target_" not in cfg[group]:
             raise ConfigError(f"{group}._target_ is missing: name the class to build")
+    if not str(cfg.tracking.experiment).strip():
+        raise ConfigError("tracking.experiment='': MLflow needs an experiment name; allowed: any non-empty name "
+                          "(default: orchestrate)")
 
 
 def target_of(node: DictConfig, key: str) -> Any:

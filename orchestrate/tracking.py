@@ -212,6 +212,9 @@ class Tracker(RunLogger):
             experiment_id = mlflow.tracking.MlflowClient(uri).get_run(resume_run_id).info.experiment_id
             mlflow.set_experiment(experiment_id=experiment_id)
             run = mlflow.start_run(run_id=resume_run_id)
+            if "error" in run.data.tags:
+                # What stopped the earlier attempt no longer describes the run: it goes on.
+                mlflow.tracking.MlflowClient(uri).delete_tag(resume_run_id, "error")
         elif given:
             run = mlflow.start_run(run_id=given[1])
         else:
@@ -237,8 +240,8 @@ class Tracker(RunLogger):
     def __exit__(self, exc_type, exc, tb) -> bool:
         status = "FINISHED"
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            status = "KILLED"
-            self.set_tags({"error": "interrupted (KeyboardInterrupt)"})
+            status = "KILLED"  # Ctrl-C, or SIGINT / SIGTERM (orchestrate.process.Stopped names it)
+            self.set_tags({"error": f"interrupted ({str(exc) or exc_type.__name__})"})
         elif exc_type is not None:
             status = "FAILED"
             self.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]})

@@ -15,6 +15,11 @@ CASES = [
     (["-m", "optimizer.lr=0.1,-1"], "trial 1 (optimizer.lr=-1): optimizer.lr=-1 (torch.optim.AdamW): Invalid learning rate"),
     (["+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
     (["+dry_run", "+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
+    (["-m", "optimizer.lr=range(0)"], "optimizer.lr=range(0): the sweep has no trials"),
+    (["-m", "optimizer.lr=interval(0.1,0.2)"], "optimizer.lr=interval(...): Hydra's basic sweeper runs a grid"),
+    (["+sweep=lr_optuna", "hydra.sweeper.n_trials=-1"], "hydra.sweeper.n_trials=-1: must be at least 1"),
+    (["-m", "hydra/launcher=nope", "optimizer.lr=0.1,0.2"],
+     "hydra/launcher=nope: no such choice; allowed: basic, orchestrate_ray, submitit_local, submitit_slurm"),
     # experiments
     (["+experiment=nope"], "experiment=nope: no such choice; allowed: backend_shootout, char_lm, lr_search"),
     # launcher options, sweeps that can never be placed
@@ -32,6 +37,7 @@ CASES = [
     (["trainer.max_steps=1", "tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: no MLflow server answers"),
     (["tracking=nope"], "tracking=nope: no such choice; allowed: mlflow, server"),
     (["trainer.resume=zzz"], "trainer.resume=zzz: no MLflow store at sqlite:///mlflow.db, so no such run"),
+    (["tracking.experiment="], "tracking.experiment='': MLflow needs an experiment name"),
     # keys, types, ranges
     (["trainer.max_steps="], "trainer.max_steps: Value '' of type 'str' could not be converted to Integer"),
     (["trainer.max_steps=1e400"], "trainer.max_steps: Value 'inf' of type 'float' could not be converted to Integer"),
@@ -47,6 +53,7 @@ CASES = [
     # malformed override syntax
     (["trainer.max_steps=[1"], "no viable alternative at input '[1'"),
     (["trainer.max_steps=1)"], "Error parsing override 'trainer.max_steps=1)'"),
+    (["=5"], "=5: Config group override must be a string or a list"),
     (["--config-dir", "/nonexistent"], "--config-dir /nonexistent: no such folder"),
 ]
 

@@ -2,14 +2,17 @@
 every worker's `on_save` is called, only the writer writes; every backend's loads back as a
 state that can travel to the runner's workers."""
 
+import errno
 import pickle
+import signal
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from orchestrate import checkpoints, process
-from orchestrate.checkpoints import Checkpoints
+from orchestrate.checkpoints import CheckpointError, Checkpoints
 from orchestrate.job import Job
 from orchestrate.schema import ConfigError, TrainerConf
 
@@ -24,20 +27,76 @@ def test_period_last_step_and_rotation(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000020.pt", "step_0000025.pt"]
 
 
-def test_a_failed_write_leaves_the_last_finished_checkpoint(tmp_path):
+def test_a_failed_write_leaves_the_last_finished_checkpoint_and_says_why_in_one_line(tmp_path):
     ckpt = Checkpoints(TrainerConf(max_steps=20, checkpoint_period=10), tmp_path)
     ckpt.save(10, lambda path: Path(path).write_text("step 10"), suffix=".pt")
 
-    def crash(path):
+    def full_disk(path):
         Path(path).write_text("half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    try:
-        ckpt.save(20, crash, suffix=".pt")
-    except OSError:
-        pass
-    assert [p.name for p in tmp_path.glob("step_*")] == ["step_0000010.pt"]
+    with pytest.raises(CheckpointError) as failed:
+        ckpt.save(20, full_disk, suffix=".pt")
+    message = str(failed.value)
+    assert message.startswith(f"checkpoint step 20 not written to {tmp_path}: No space left on device (")
+    assert message.endswith("KiB free on its file system); the last finished one, step_0000010.pt, is kept")
+    assert "\n" not in message
+    assert [p.name for p in tmp_path.iterdir()] == ["step_0000010.pt"]  # no temporary file left either
     assert (tmp_path / "step_0000010.pt").read_text() == "step 10"
+
+
+def test_torch_full_disk_error_names_the_cause(tmp_path):
+    """torch's zip writer reports a failed write by its position only; the OSError under it says why."""
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        try:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 448 vs 342")
+        except RuntimeError as e:
+            error = e
+    assert checkpoints.write_cause(error, tmp_path).startswith("No space left on device (")
+    assert checkpoints.write_cause(RuntimeError("ORT: FAIL : cannot write\nmore"), tmp_path) in (
+        "cannot write", *(f"cannot write ({n} KiB free on its file system)" for n in range(1024)))
+
+
+def test_a_write_cut_off_by_ctrl_c_leaves_no_file(tmp_path):
+    """A signal's KeyboardInterrupt (orchestrate.process.Stopped) in the middle of a write goes on
+    up as it is, and neither a half file nor its temporary name stays behind."""
+    ckpt = Checkpoints(TrainerConf(max_steps=20, checkpoint_period=10), tmp_path)
+    ckpt.save(10, lambda path: Path(path).write_text("step 10"), suffix=".pt")
+
+    def cut_off(path):
+        Path(path).write_text("half")
+        raise process.Stopped(signal.SIGTERM)
+
+    with pytest.raises(process.Stopped):
+        ckpt.save(20, cut_off, suffix=".pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["step_0000010.pt"]
+
+
+def test_a_writer_killed_midway_leaves_no_half_file_under_the_final_name(tmp_path):
+    """SIGKILL cannot be cleaned up after: the half file stays under its temporary name, which a
+    resume never takes (it looks for step_*), and the last finished checkpoint still loads."""
+    ckpt = Checkpoints(TrainerConf(max_steps=20, checkpoint_period=10), tmp_path)
+    ckpt.save(10, lambda path: torch.save({"step": 10}, path), suffix=".pt")
+
+    def killed(path):
+        with open(path, "wb") as f:
+            f.write(b"PK half a zip")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pid = os.fork()  # the writer is a process of its own, killed in the middle of its write
+    if pid == 0:
+        try:
+            ckpt.save(20, killed, suffix=".pt")
+        finally:
+            os._exit(1)  # not reached: the write kills it
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_step_0000020.pt", "step_0000010.pt"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000010.pt"]
+    assert checkpoints.load_torch(tmp_path / "step_0000010.pt")["step"] == 10
 
 
 def test_only_the_writer_writes_but_every_worker_reports(tmp_path):

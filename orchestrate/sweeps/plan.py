@@ -8,6 +8,8 @@ import itertools
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate.schema import ConfigError
+
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
@@ -24,9 +26,16 @@ def trials(cfg: DictConfig) -> list[list[str]]:
     params = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     lines = [f"{k}={v}" for k, v in params.items()] + list(cfg.hydra.overrides.task)
     grid = is_grid(cfg)
+    n_trials = OmegaConf.select(cfg, "hydra.sweeper.n_trials")
+    if not grid and n_trials is not None and n_trials < 1:
+        raise ConfigError(f"hydra.sweeper.n_trials={n_trials}: must be at least 1")
     choices: dict[str, list[str]] = {}
     for override in OverridesParser.create().parse_overrides(lines):
         key = override.get_key_element()
+        if grid and override.is_interval_sweep():
+            raise ConfigError(f"{key}=interval(...): Hydra's basic sweeper runs a grid and cannot draw from an "
+                              "interval; allowed: a list (a,b,c) or range(start,stop,step), or a sampling sweeper "
+                              "(+sweep=lr_optuna)")
         if override.is_interval_sweep() or (override.is_range_sweep() and not grid and not override.value().shuffle):
             # Optuna draws from [start, end] of an interval and [start, stop] of a range (its `high`).
             span = override.value()

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import ort, ray_cluster, schema
+from orchestrate import ort, process, ray_cluster, schema
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.schema import ConfigError, Device
 from orchestrate.tracking import absolute_uri
@@ -149,6 +149,7 @@ class RunnerBackend(Backend):
             started = ray_cluster.init(self.ray_address, "backend.ray_address")
         except ray_cluster.RayUnavailable as e:
             raise ConfigError(str(e)) from None
+        process.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
         try:
             n = job.trainer.num_workers
             bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
@@ -191,7 +192,22 @@ class RunnerBackend(Backend):
                 storage_path=self.storage_path or str((job.out_dir / "ray").resolve()),
                 failure_config=FailureConfig(max_failures=self.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1)))
-        result = trainer.fit()
+        # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
+        # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
+        # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
+        # a KeyboardInterrupt out of fit()'s wait, on which the controller is aborted here (it stops
+        # the workers) before the run is marked KILLED and a Ray started here shut down.
+        controllers: list = []
+        trainer._register_sigint_handler = controllers.append  # handed the controller actor
+        try:
+            result = trainer.fit()
+        except KeyboardInterrupt as e:
+            for controller in controllers:
+                abort(controller)
+            stopped = process.stopped_by()
+            if stopped is not None and not isinstance(e, process.Stopped):
+                raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
+            raise
         with result.checkpoint.as_directory() as folder:
             summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
         job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
@@ -202,3 +218,17 @@ class RunnerBackend(Backend):
 
     def load_checkpoint(self, source: Path | bytes) -> dict:
         return self.engine_backend().load_checkpoint(source)  # the workers' checkpoints are the engine's
+
+
+ABORT_WAIT_S = 30.0
+
+
+def abort(controller) -> None:
+    """Stop a Ray Train run: its controller aborts the worker group, then exits (so the call ends
+    with the actor's death, which is the expected answer)."""
+    import ray
+
+    try:
+        ray.get(controller.abort.remote(), timeout=ABORT_WAIT_S)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        pass
