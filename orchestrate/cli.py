@@ -93,8 +93,9 @@ def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: li
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
         fail(explain(e, overrides, source))
-    except ValueError as e:  # Hydra's defaults list refuses a malformed group override (`=5`)
-        fail(f"{' '.join(overrides)}: {str(e).splitlines()[0]}")
+    except (ValueError, TypeError) as e:  # Hydra's defaults list on a malformed group choice (`=5`, `backend=[1]`)
+        fail(f"{' '.join(overrides)}: a config group's choice must be a name or a list of names "
+             f"({str(e).splitlines()[0]})")
 
 
 def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSource) -> None:

@@ -188,7 +188,8 @@ def build(node: DictConfig, key: str, *args: Any) -> Any:
     except InstantiationException as e:
         cause = e.__cause__ or e
         if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
-            raise ConfigError(f"{key} ({node._target_}): {cause}") from None
+            # First line only: torch lists every signature it expected below it.
+            raise ConfigError(f"{key} ({node._target_}): {str(cause).strip().splitlines()[0]}") from None
         raise
     if not args:
         return built

@@ -2,12 +2,16 @@
 options, Ray and MLflow addresses, malformed override syntax. Each is refused up front by
 `python -m orchestrate` with one plain line, exit code 2, nothing written, within 15 s."""
 
+import os
 import sys
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from orchestrate.cli import main
+from orchestrate.app import ORCHESTRATE
+from orchestrate.cli import main, validate
 
 CASES = [
     # sweeps
@@ -53,7 +57,8 @@ CASES = [
     # malformed override syntax
     (["trainer.max_steps=[1"], "no viable alternative at input '[1'"),
     (["trainer.max_steps=1)"], "Error parsing override 'trainer.max_steps=1)'"),
-    (["=5"], "=5: Config group override must be a string or a list"),
+    (["=5"], "=5: a config group's choice must be a name or a list of names (Config group override must be"),
+    (["backend=[32,16]"], "backend=[32,16]: a config group's choice must be a name or a list of names"),
     (["--config-dir", "/nonexistent"], "--config-dir /nonexistent: no such folder"),
 ]
 
@@ -71,3 +76,33 @@ def test_bad_input_is_refused_with_one_line(argv, message, tmp_path, monkeypatch
     assert err.startswith("error: ") and message in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, mlruns, outputs/ or multirun/
+
+
+# ---- random overrides (hypothesis): the up-front check either accepts a command line or refuses
+# it with one line and exit code 2; never a traceback, never a hang. The check is the entry point's
+# gate (orchestrate.cli.validate: compose, then build the job) and runs nothing, so an accepted
+# random config is not trained. More examples: HYPOTHESIS_EXAMPLES=2000 pytest tests/test_bad_input.py -k random
+KEYS = ["trainer.max_steps", "trainer.batch_size", "trainer.seed", "trainer.resume", "trainer.device",
+        "trainer.precision", "trainer.lr_schedule", "trainer.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
+        "model.hidden", "model._target_", "data.loss", "data._target_", "tracking.uri", "tracking.experiment",
+        "backend.intra_op_threads", "backend", "model", "data", "optimizer", "trainer", "experiment", "sweep", "nope"]
+VALUES = ["1", "0", "-1", "3e-3", "abc", "", "[1", "[32,16]", "null", "true", "${nope}", "cuda", "fp16",
+          "torch", "ondevice", "ortmodule", "runner", "os.system", "x.y.Z", "1e400", "'quoted'", "a=b", "(", "auto",
+          "http://127.0.0.1:9", "sqlite:///no/such/dir/x.db"]
+override = st.builds(lambda prefix, key, sep, value: f"{prefix}{key}{sep}{value}",
+                     st.sampled_from(["", "", "+", "~", "++"]), st.sampled_from(KEYS),
+                     st.sampled_from(["=", "=", ":", "==", ""]),
+                     st.one_of(st.sampled_from(VALUES), st.text(alphabet="abc019.-_=,[]{}()$:'\" ", max_size=8)))
+
+
+@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "100")), deadline=15_000,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(overrides=st.lists(override, min_size=1, max_size=3))
+def test_random_overrides_are_accepted_or_refused_with_one_line(overrides, capsys):
+    capsys.readouterr()
+    try:
+        validate(overrides, ORCHESTRATE)
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err, err
