@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -90,16 +89,7 @@ def hand_ortmodule(job: Job) -> float:
 
     def wrap(model):
         wrapped = ORTModule(model)
-        factory = wrapped._torch_module._execution_manager
-        for manager in (factory._training_manager, factory._inference_manager):
-            original = manager._get_session_config
-
-            def with_threads(self_, original=original):
-                options, providers, provider_options = original()
-                ort.configure(options, backend.intra_op_threads, backend.allow_spinning, backend.mapped_dimensions)
-                return options, providers, provider_options
-
-            manager._get_session_config = types.MethodType(with_threads, manager)
+        backend._set_threads(wrapped)  # the same session options (threads, spinning) as the backend's
         return wrapped
 
     return hand_torch(job, wrap)
