@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The torch paths on a lent GPU machine (docs/performance.md, "On a GPU").
+#
+# Those machines run Python 3.12 with a CUDA build of torch, where onnxruntime-training 1.19.2
+# cannot be installed: only backend=torch is tried, on the CPU and on CUDA in fp32 and fp16.
+# Hydra, MLflow and the rest of the pure-Python stack travel as wheels in .whl/ (fetched here with
+# ../shared/gpu/fetch-wheels.sh); they go into a temporary folder, not into the machine's Python.
+#
+# Usage, from the project root on the GPU machine:  bash scripts/gpu_check.sh [max_steps]
+# Prints one table row per run; copies the runs' MLflow store and the log to $OUT when set.
+set -u
+steps=${1:-500}
+site=$(mktemp -d); work=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+python3 - <<'EOF'
+import platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}, {torch.get_num_threads()} CPU threads")
+EOF
+python3 -c "import sklearn" 2>/dev/null && mlp="model=mlp data=digits" || mlp="model=mlp data=synthetic"
+gpt="model=char_transformer data=python_source"
+echo "| model | device | precision | steps | wall s | samples/s | final train loss | eval loss |"
+echo "|---|---|---|---:|---:|---:|---:|---:|"
+i=0
+for model in "$mlp" "$gpt"; do
+  for run in "trainer.device=cpu" "trainer.device=cuda" "trainer.device=cuda trainer.precision=fp16"; do
+    i=$((i + 1)); log="$work/run$i.log"
+    python3 -m orchestrate backend=torch $model $run trainer.max_steps="$steps" \
+      tracking.uri="sqlite:///$work/gpu.db" hydra.run.dir="$work/out$i" > "$log" 2>&1
+    rc=$?
+    cat "$log" >> "$work/all.log"
+    get() { tr '\r' '\n' < "$log" | grep -E "^  $1 " | awk '{print $NF}' | tail -1; }
+    wall=$(tr '\r' '\n' < "$log" | grep -Eo "steps in [0-9.]+ s" | awk '{print $3}')
+    prec=$(echo "$run" | grep -q fp16 && echo fp16 || echo fp32)
+    dev=$(echo "$run" | grep -q cuda && echo cuda || echo cpu)
+    if [ $rc -ne 0 ]; then
+      echo "| ${model%% *} | $dev | $prec | $steps | failed (exit $rc): $(grep -m1 -E 'Error|error' "$log") | | | |"
+    else
+      echo "| ${model%% *} (${model##* }) | $dev | $prec | $steps | $wall | $(get samples/s) | $(get 'final train loss') | $(get 'eval loss') |"
+    fi
+  done
+done
+if [ -n "${OUT:-}" ]; then cp "$work/gpu.db" "$work/all.log" "$OUT/" 2>/dev/null; fi
+exit 0
