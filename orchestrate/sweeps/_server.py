@@ -1,6 +1,7 @@
 """The sweep's own MLflow server: `mlflow server` on 127.0.0.1 in front of a SQLite store, started
 by the sweep callbacks in the launching process and stopped when the sweep closes."""
 
+import signal
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -24,12 +25,24 @@ def prepare_store(sqlite_uri: str, experiment: str) -> None:
 
 class TrackingServer(MlflowServer):
     """`mlflow server` on a free port of 127.0.0.1 in front of a SQLite store, its output in a
-    temporary log file. Many trials writing to one SQLite file at once fail ("database is
-    locked", schema races); one server serialises their writes."""
+    temporary log file (kept, and named, only when the server failed). Many trials writing to one
+    SQLite file at once fail ("database is locked", schema races); one server serialises their
+    writes."""
 
     def __init__(self, sqlite_uri: str, artifact_root: Path):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
+        self.started = False
         try:
             super().__init__(sqlite_uri, artifact_root, log=self.log)
+            self.started = True
         except ServerError as e:
             raise RuntimeError(f"the sweep's MLflow server did not start ({e}); its log: {self.log.name}") from None
+
+    def stop(self) -> None:
+        super().stop()
+        self.log.close()
+        # -SIGTERM is the stop above; anything else is the server's own failure: keep its log.
+        if self.started and self.proc.returncode in (0, -signal.SIGTERM):
+            Path(self.log.name).unlink(missing_ok=True)
+        elif self.started:
+            print(f"the sweep's MLflow server exited with code {self.proc.returncode}; its log: {self.log.name}")
