@@ -57,6 +57,12 @@ def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.O
         key = cause.full_key or cause.key
         parent = key.rsplit(".", 1)[0] if key and "." in key else ""
         return f"{key}: unknown key{allowed_keys(parent, source)}"
+    if isinstance(cause, OverrideParseException):
+        bare = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
+        if bare is not None:  # `+experiment`, `backend`: a key without its value
+            options = app.group_options(bare.lstrip("+"), source)
+            allowed = f"; allowed: {', '.join(f'{bare}={o}' for o in options)}" if options else ""
+            return f"{bare}: an override needs a value (KEY=VALUE, +KEY=VALUE to add, ~KEY to delete){allowed}"
     if isinstance(cause, ValidationError):
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -135,6 +141,13 @@ def check_trial_resources(launcher) -> None:
     this machine has could never start (the launcher would say so only once Ray is up)."""
     if not str(launcher.get("_target_", "")).endswith("OrchestrateRayLauncher"):
         return
+    if launcher.address:
+        from orchestrate import ray_cluster
+
+        try:  # a cluster that is not there: seconds, not Ray's minutes of retries
+            ray_cluster.reachable(launcher.address, "hydra.launcher.address")
+        except ray_cluster.RayUnavailable as e:
+            fail(str(e))
     if launcher.address or os.environ.get("RAY_ADDRESS"):
         return  # a cluster: the launcher waits placement_timeout_s for room, which may come
     cpus = launcher.num_cpus if launcher.num_cpus is not None else os.cpu_count()
@@ -198,7 +211,37 @@ def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTR
     return out
 
 
+def check_flags(argv: list[str]) -> None:
+    """Options Hydra's parser does not know (`--nope`) or refuses (`--cfg nope`): one line, not
+    argparse's usage text."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    parser.error = refuse
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except ValueError as e:
+        fail(f"{e}; see --help")
+    if unknown:
+        options = ", ".join("/".join(a.option_strings) for a in parser._actions if a.option_strings)
+        fail(f"{unknown[0]}: unknown option; allowed: {options}")
+
+
+def check_sweep_choice(overrides: list[str]) -> None:
+    """`sweep=NAME` alone would run one job with the sweep's settings unused."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "sweep" and value not in ("", "none"):
+            fail(f"{o}: a sweep runs with -m or +sweep={value}; without them this would be one run, the sweep "
+                 "unused; allowed without -m: sweep=none")
+
+
 def main() -> None:
+    check_flags(sys.argv[1:])
     try:
         # --config-path, --config-name, --config-dir: the user's own config folders.
         source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
@@ -211,6 +254,7 @@ def main() -> None:
         if multirun:
             validate_sweep(flags, overrides, source)
         else:
+            check_sweep_choice(overrides)
             validate(overrides, source, hydra_words(flags))
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).

@@ -6,7 +6,7 @@ import enum
 import inspect
 import math
 import re
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 import hydra
@@ -117,6 +117,17 @@ def register() -> None:
 
 def check(cfg: DictConfig) -> None:
     """Value checks that a type cannot express."""
+    # `+key=value` adds a key even where the schema has none (Hydra lifts the struct flag for it):
+    # nothing would read it, so a typo such as `+trainer.max_step=5` would be ignored quietly.
+    for prefix, schema in (("", Config), ("trainer.", TrainerConf), ("tracking.", TrackingConf),
+                           ("sweep.", SweepConf)):
+        node = OmegaConf.select(cfg, prefix.rstrip(".")) if prefix else cfg
+        allowed = [f.name for f in fields(schema)]
+        unknown = [str(k) for k in node if k not in allowed]
+        if unknown:
+            where = f"in {prefix.rstrip('.')}" if prefix else "at the top level"
+            raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys {where}: {', '.join(allowed)} "
+                              f"(drop it with ~{prefix}{unknown[0]})")
     t = cfg.trainer
     positive = ["max_steps", "batch_size", "eval_batch_size", "display_loss_steps", "max_num_checkpoints",
                 "num_workers", "gradient_accumulation_steps"]

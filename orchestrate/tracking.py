@@ -335,6 +335,10 @@ def reachable(uri: str, timeout_s: float = 5.0) -> str | None:
 
     shown = f"tracking.uri={redact_text(uri)}"
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    known = store_schemes()
+    if known and scheme not in known:
+        return (f"{shown}: MLflow has no tracking store for {scheme}://; allowed: a folder, "
+                + ", ".join(f"{s}://" for s in sorted(known) if s))
     if scheme in ("http", "https"):
         import urllib.error
         import urllib.request
@@ -388,6 +392,14 @@ def reachable(uri: str, timeout_s: float = 5.0) -> str | None:
         if not (folder.is_dir() and os.access(folder, os.W_OK)):
             return f"{shown}: {folder} is not a writable folder"
     return None
+
+
+def store_schemes() -> set[str]:
+    """The URI schemes MLflow has a tracking store for (its own and its plugins'); empty if this
+    MLflow keeps them elsewhere."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    return set(getattr(_tracking_store_registry, "_registry", {}))
 
 
 def absolute_uri(uri: str) -> str:

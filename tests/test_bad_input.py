@@ -22,10 +22,15 @@ CASES = [
     (["-m", "optimizer.lr=range(0)"], "optimizer.lr=range(0): the sweep has no trials"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "optimizer.lr=interval(...): Hydra's basic sweeper runs a grid"),
     (["+sweep=lr_optuna", "hydra.sweeper.n_trials=-1"], "hydra.sweeper.n_trials=-1: must be at least 1"),
+    (["sweep=lr_grid"], "sweep=lr_grid: a sweep runs with -m or +sweep=lr_grid"),
+    (["-m", "hydra.launcher.address=127.0.0.1:9", "optimizer.lr=0.1,0.2"],
+     "hydra.launcher.address=127.0.0.1:9: nothing answers at 127.0.0.1:9"),
     (["-m", "hydra/launcher=nope", "optimizer.lr=0.1,0.2"],
      "hydra/launcher=nope: no such choice; allowed: basic, orchestrate_ray, submitit_local, submitit_slurm"),
     # experiments
     (["+experiment=nope"], "experiment=nope: no such choice; allowed: backend_shootout, char_lm, lr_search"),
+    (["+experiment"], "+experiment: an override needs a value (KEY=VALUE, +KEY=VALUE to add, ~KEY to delete); "
+                      "allowed: +experiment=backend_shootout, +experiment=char_lm, +experiment=lr_search"),
     # launcher options, sweeps that can never be placed
     (["-m", "hydra.launcher.cpus_per_trial=999", "optimizer.lr=0.1,0.2"],
      "hydra.launcher.cpus_per_trial=999: a trial asks for more CPUs than the local Ray instance has"),
@@ -37,9 +42,11 @@ CASES = [
     (["backend=runner", "trainer.num_workers=0"], "trainer.num_workers=0: must be at least 1"),
     (["backend=runner", "trainer.num_workers=-1"], "trainer.num_workers=-1: must be at least 1"),
     (["backend=runner", "backend.cpus_per_worker=999"], "asks for 999 CPUs; this machine has"),
+    (["backend=runner", "backend.ray_address=127.0.0.1:9"], "backend.ray_address=127.0.0.1:9: nothing answers at"),
     # MLflow
     (["trainer.max_steps=1", "tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: no MLflow server answers"),
     (["tracking=nope"], "tracking=nope: no such choice; allowed: mlflow, server"),
+    (["tracking.uri=ftp://x"], "tracking.uri=ftp://x: MLflow has no tracking store for ftp://; allowed: a folder,"),
     (["trainer.resume=zzz"], "trainer.resume=zzz: no MLflow store at sqlite:///mlflow.db, so no such run"),
     (["tracking.experiment="], "tracking.experiment='': MLflow needs an experiment name"),
     # keys, types, ranges
@@ -49,6 +56,9 @@ CASES = [
     (["trainer.batch_size=-3"], "trainer.batch_size=-3: must be at least 1"),
     (["trainer=nope"], "trainer=nope: no such choice; allowed: default, quick"),
     (["foo=1"], "foo: unknown key"),
+    (["+foo=1"], "foo: unknown key; allowed keys at the top level: backend, model, data, optimizer, trainer"),
+    (["+trainer.max_step=5"], "trainer.max_step: unknown key; allowed keys in trainer: max_steps,"),
+    (["+tracking.x=1"], "tracking.x: unknown key; allowed keys in tracking: uri, experiment,"),
     (["trainer.max_steps=${nope}"], "trainer.max_steps: Interpolation key 'nope' not found"),
     (["trainer.max_steps=${oc.env:NOPE_X}"], "Environment variable 'NOPE_X' not found"),
     # unknown _target_s
@@ -60,6 +70,9 @@ CASES = [
     (["=5"], "=5: a config group's choice must be a name or a list of names (Config group override must be"),
     (["backend=[32,16]"], "backend=[32,16]: a config group's choice must be a name or a list of names"),
     (["--config-dir", "/nonexistent"], "--config-dir /nonexistent: no such folder"),
+    (["--nope"], "--nope: unknown option; allowed: --help/-h,"),
+    (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
+    (["backend"], "backend: an override needs a value"),
 ]
 
 

@@ -134,6 +134,11 @@ class RunnerBackend(Backend):
         if self.use_gpu != (t.device == Device.cuda):
             raise ConfigError(f"backend.use_gpu={str(self.use_gpu).lower()} and trainer.device={t.device.value} "
                               "disagree: set both (use_gpu=true with device=cuda) or neither")
+        if self.ray_address is not None:  # a cluster that is not there: seconds, not Ray's minutes of retries
+            try:
+                ray_cluster.reachable(self.ray_address, "backend.ray_address")
+            except ray_cluster.RayUnavailable as e:
+                raise ConfigError(str(e)) from None
         wanted = t.num_workers * self.cpus_per_worker
         if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > (os.cpu_count() or 1):
             raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
