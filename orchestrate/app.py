@@ -19,7 +19,7 @@ from omegaconf import DictConfig, open_dict
 
 from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
-from orchestrate.resume import config_key, find_resume
+from orchestrate.resume import close_orphans, config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
 
 
@@ -175,6 +175,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
                      resume_run_id=resume.run_id if resume else None) as tracker:
             job.track(tracker)
+            if cfg.trainer.resume == "auto":
+                for orphan in close_orphans(cfg, tracker.run_id):
+                    print(f"MLflow run {orphan} marked KILLED: its process ended without closing it", flush=True)
             if resume is not None:
                 job.meter.continue_history(tracker.logged_history())
             job.backend.fit(job)

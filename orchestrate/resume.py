@@ -96,6 +96,47 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
     return point
 
 
+def close_orphans(cfg: DictConfig, run_id: str) -> list[str]:
+    """With `trainer.resume=auto`, once run `run_id` is open: end as KILLED the earlier runs of this
+    config that are still RUNNING although their process on this host is gone (a SIGKILL, a lost
+    machine). Otherwise a run killed before its first checkpoint, which nothing resumes, would stay
+    RUNNING in MLflow for ever. A run whose process still lives (or lived on another host) is left
+    alone: it may be training. Returns the ids it ended."""
+    import platform
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    if experiment is None:
+        return []
+    runs = client.search_runs([experiment.experiment_id],
+                              f"tags.config_key = '{config_key(cfg)}' and attributes.status = 'RUNNING'",
+                              max_results=50)
+    ended = []
+    for run in runs:
+        tags = run.data.tags
+        if run.info.run_id == run_id or tags.get("host") != platform.node() or not tags.get("pid", "").isdigit():
+            continue
+        if _alive(int(tags["pid"])):
+            continue
+        client.set_tag(run.info.run_id, "error", f"its process (pid {tags['pid']}) ended without closing the run; "
+                                                 f"trainer.resume=auto went on in run {run_id}")
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run.info.run_id)
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def _latest_checkpoint(client, run, uri: str) -> ResumePoint | None:
     folder = Path(run.data.tags.get("out_dir", "/nonexistent")) / "checkpoints"
     local = sorted(folder.glob("step_*")) if folder.is_dir() else []

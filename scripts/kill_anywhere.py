@@ -5,7 +5,8 @@
 For each backend, one uninterrupted reference run, then `--points` runs each killed with SIGKILL
 at one randomly drawn point of five kinds:
 
-  before-ckpt  a step before the first checkpoint (nothing to resume: a new run starts)
+  before-ckpt  a step before the first checkpoint (nothing to resume: a new run starts, and
+               ends the killed one KILLED)
   ckpt-write   inside a checkpoint write: the temporary file half written (`ckpt-partial`), or
                written but not yet renamed (`ckpt-tmp`), or just after the save (`ckpt-done`)
   eval         during an evaluation, before its metrics are logged
@@ -183,13 +184,15 @@ class Outcome:
     resumed: bool = False
     same_run: bool = False
     steps_once: bool = False
+    none_running: bool = False
     loss_diff: float = float("nan")
     weight_diff: float = float("nan")
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.killed and self.resumed and self.steps_once and self.loss_diff == 0 and self.weight_diff == 0
+        return (self.killed and self.resumed and self.steps_once and self.none_running and self.loss_diff == 0
+                and self.weight_diff == 0)
 
 
 def orchestrate(folder: Path, name: str, overrides: list[str], driver_pid_file: Path | None = None):
@@ -269,6 +272,8 @@ def run_point(index: int, point: Point, ref: Path, work: Path) -> Outcome:
         return outcome
     run_id = finished[0].info.run_id
     outcome.same_run = len(runs) == 1
+    # A killed run that the resume did not go on in is ended by it (KILLED), not left RUNNING.
+    outcome.none_running = all(r.info.status != "RUNNING" for r in runs)
     if not outcome.same_run:
         left = [f"{r.info.run_id[:8]} {r.info.status}" for r in runs if r.info.run_id != run_id]
         outcome.notes.append(f"new run; the killed one left: {', '.join(left)}")
@@ -304,12 +309,13 @@ def table(outcomes: list[Outcome]) -> str:
     def diff(x: float) -> str:
         return "bit for bit" if x == 0 else f"{x:.1e}"
 
-    rows = ["| backend | point | step killed | resumed ok | same run | steps exactly once | max \\|loss diff\\| "
-            "| weights equal | notes |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| backend | point | step killed | resumed ok | same run | none left RUNNING | steps exactly once "
+            "| max \\|loss diff\\| | weights equal | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         p = o.point
         rows.append(f"| {p.backend} | {p.label} | {p.at} | {'yes' if o.resumed else 'NO'} | "
-                    f"{'yes' if o.same_run else 'no'} | {'yes' if o.steps_once else 'NO'} | {diff(o.loss_diff)} | "
+                    f"{'yes' if o.same_run else 'no'} | {'yes' if o.none_running else 'NO'} | "
+                    f"{'yes' if o.steps_once else 'NO'} | {diff(o.loss_diff)} | "
                     f"{diff(o.weight_diff)} | {'; '.join(o.notes)} |")
     return "\n".join(rows)
 

@@ -13,6 +13,7 @@ import torch
 from orchestrate import app, schema
 from orchestrate.backends.ondevice import OnDeviceBackend
 from orchestrate.job import Job
+from orchestrate.resume import config_key
 from orchestrate.tasks.data import Synthetic
 from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
 from tests.helpers import served_twice
@@ -157,6 +158,28 @@ def test_resume_of_a_finished_config_starts_a_new_run(make_cfg, tmp_path):
     first = app.train(make_cfg("backend=torch"), tmp_path / "first")
     again = app.train(make_cfg("backend=torch", "trainer.resume=auto"), tmp_path / "again")
     assert again.run_id != first.run_id
+
+
+def test_resume_auto_ends_runs_whose_process_is_gone_and_leaves_live_ones(make_cfg, tmp_path):
+    """A run SIGKILLed before its first checkpoint has nothing to resume and would stay RUNNING;
+    the next `trainer.resume=auto` of its config ends it KILLED. One whose process lives may be
+    training: it is left alone."""
+    import platform
+
+    cfg = make_cfg("backend=torch", "trainer.resume=auto")
+    client = client_for(cfg.tracking.uri)
+    experiment = client.create_experiment(cfg.tracking.experiment)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    runs = {}
+    for name, pid in (("dead", dead.pid), ("live", os.getpid())):
+        runs[name] = client.create_run(experiment, tags={"config_key": config_key(cfg), "host": platform.node(),
+                                                         "pid": str(pid)}).info.run_id
+    result = app.train(cfg, tmp_path / "out")
+    assert client.get_run(runs["dead"]).info.status == "KILLED"
+    assert f"went on in run {result.run_id}" in client.get_run(runs["dead"]).data.tags["error"]
+    assert client.get_run(runs["live"]).info.status == "RUNNING"
+    assert client.get_run(result.run_id).info.status == "FINISHED"
 
 
 def test_tensorboard_event_files_hold_the_logged_scalars(make_cfg, tmp_path):

@@ -17,8 +17,7 @@ Point = kill_anywhere.Point
 # The representative subset CI runs: the on-device backend (the quickest to start) at three kinds
 # of point that resume in the same run, against one reference run. Kills before the first
 # checkpoint, runner workers and torch are tests/test_app.py's and tests/backends/test_runner.py's
-# subjects too; the script runs every kind on every backend. ORTModule's dropout does not resume
-# exactly yet (ORT's generator; see docs/kill_anywhere.md).
+# subjects too; the script runs every kind on every backend.
 POINTS = [
     Point("ondevice", "ckpt-write", "ckpt-partial", 20),  # a half-written temporary checkpoint
     Point("ondevice", "eval", "eval", 16),  # evaluated, not yet logged
@@ -37,5 +36,6 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path):
         assert o.steps_once, label
         # ...the killed run itself once it had a checkpoint to go on from.
         assert o.same_run == (o.point.category != "before-ckpt"), label
+        assert o.none_running, label  # no run left RUNNING by the kill
         # These backends are deterministic on CPU: the losses and weights of a run that never stopped.
         assert o.loss_diff == 0 and o.weight_diff == 0, label
