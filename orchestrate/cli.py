@@ -241,7 +241,8 @@ def check_sweep_choice(overrides: list[str]) -> None:
 
 
 def main() -> None:
-    check_flags(sys.argv[1:])
+    # Options only: overrides may come before or after them (they are handed to Hydra after them).
+    check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
     try:
         # --config-path, --config-name, --config-dir: the user's own config folders.
         source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
