@@ -205,6 +205,11 @@ class Tracker(RunLogger):
         mlflow = self.mlflow
         new_sqlite_store(uri)
         mlflow.set_tracking_uri(uri)
+        tags = {"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
+                "pid": str(os.getpid()), "out_dir": str(Path(out_dir).resolve()),
+                **{f"version.{k}": v for k, v in versions().items()}, **tags, **redact(dict(cfg.tracking.tags))}
+        # Written with the run itself, not through the outbox: a process killed in its first seconds
+        # leaves a run that `trainer.resume=auto` can still tell apart (config_key) and end (host, pid).
         if resume_run_id:
             # The same run goes on: its params are this config already (config_key matched). MLflow
             # refuses to start a run outside the process's active experiment (an earlier run in this
@@ -219,12 +224,13 @@ class Tracker(RunLogger):
             run = mlflow.start_run(run_id=given[1])
         else:
             mlflow.set_experiment(cfg.tracking.experiment)
-            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name)
+            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags)
+        if resume_run_id or given:
+            from mlflow.entities import RunTag
+
+            mlflow.tracking.MlflowClient(uri).log_batch(run.info.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         super().__init__(uri, run.info.run_id, out_dir)
         mark_for_training(self.client, run.info.experiment_id)
-        self.set_tags({"git_commit": git_commit(), "python": platform.python_version(), "host": platform.node(),
-                       "pid": str(os.getpid()), "out_dir": str(Path(out_dir).resolve()),
-                       **{f"version.{k}": v for k, v in versions().items()}, **tags, **redact(dict(cfg.tracking.tags))})
         if not resume_run_id:
             items = list(flatten(cfg).items())
             for i in range(0, len(items), 100):

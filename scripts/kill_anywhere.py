@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         table(outcomes), "",
         f"{sum(o.killed for o in outcomes)} killed, {sum(o.resumed for o in outcomes)} resumed, "
         f"{sum(o.steps_once for o in outcomes)} with every step exactly once, "
-        f"{sum(o.ok for o in outcomes)} equal to the uninterrupted run bit for bit (of {len(outcomes)}).", ""])
+        f"{sum(o.none_running for o in outcomes)} with no run left RUNNING, "
+        f"{sum(o.loss_diff == 0 and o.weight_diff == 0 for o in outcomes)} equal to the uninterrupted run bit for "
+        f"bit; {sum(o.ok for o in outcomes)} of {len(outcomes)} all of these.", ""])
     print(report)
     args.out.write_text(report)
     return 0 if all(o.ok for o in outcomes) else 1
