@@ -14,11 +14,11 @@ kill_anywhere = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kill_anywhere)
 Point = kill_anywhere.Point
 
-# The representative subset CI runs: the on-device backend (the quickest to start) at three kinds
-# of point that resume in the same run, against one reference run. Kills before the first
-# checkpoint, runner workers and torch are tests/test_app.py's and tests/backends/test_runner.py's
-# subjects too; the script runs every kind on every backend.
+# The representative subset CI runs: the on-device backend (the quickest to start) at four kinds
+# of point, against one reference run. Runner workers and torch are tests/test_app.py's and
+# tests/backends/test_runner.py's subjects too; the script runs every kind on every backend.
 POINTS = [
+    Point("ondevice", "before-ckpt", "step", 5),  # nothing to resume: a new run, the killed one ended KILLED
     Point("ondevice", "ckpt-write", "ckpt-partial", 20),  # a half-written temporary checkpoint
     Point("ondevice", "eval", "eval", 16),  # evaluated, not yet logged
     Point("ondevice", "last-steps", "ckpt-done", 30),  # after the final checkpoint, before the export
