@@ -225,11 +225,11 @@ class Tracker(RunLogger):
         else:
             mlflow.set_experiment(cfg.tracking.experiment)
             run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags)
-        if resume_run_id or given:
+        super().__init__(uri, run.info.run_id, out_dir)
+        if resume_run_id or given:  # an existing run: its tags now, in one request
             from mlflow.entities import RunTag
 
-            mlflow.tracking.MlflowClient(uri).log_batch(run.info.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-        super().__init__(uri, run.info.run_id, out_dir)
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         mark_for_training(self.client, run.info.experiment_id)
         if not resume_run_id:
             items = list(flatten(cfg).items())
