@@ -6,6 +6,7 @@
 """
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,6 +128,40 @@ def load_config(overrides: list[str] = (), source: ConfigSource = ORCHESTRATE,
     return cfg
 
 
+class Composer:
+    """The configs of many runs that differ in plain values, such as a sweep's trials, composed as
+    `load_config` composes each, for a fraction of the cost: Hydra composes each distinct choice
+    of config groups once (reading and merging a dozen files, about 0.1 s), and a run's other
+    overrides (`optimizer.lr=0.01`, `+trainer.x=1`, `~key`) are applied to a copy of it, as Hydra
+    itself applies them after composing (`ConfigLoaderImpl._apply_overrides_to_config`, on the
+    struct-mode config). With a `hydra.searchpath` override, which changes where groups are
+    found, every run is composed in full; Hydra's other settings do not reach the run's config."""
+
+    def __init__(self, source: ConfigSource = ORCHESTRATE, hydra_overrides: list[str] = ()):
+        self.source, self.hydra_overrides = source, list(hydra_overrides)
+        self.in_full = any(o.lstrip("+~").startswith("hydra.searchpath") for o in self.hydra_overrides)
+        self.composed: dict[tuple[str, ...], DictConfig] = {}
+
+    def __call__(self, overrides: list[str]) -> DictConfig:
+        if self.in_full:
+            return load_config([*self.hydra_overrides, *overrides], self.source)
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        with _hydra(self.source):
+            repo = GlobalHydra.instance().config_loader().repository
+            # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's choice,
+            # or a value for the config.
+            plain = [o for o in parsed if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group)]
+        groups = tuple(o.input_line for o in parsed if o not in plain)
+        if groups not in self.composed:
+            self.composed[groups] = load_config(list(groups), self.source)
+        cfg = copy.deepcopy(self.composed[groups])
+        ConfigLoaderImpl._apply_overrides_to_config(plain, cfg)
+        return cfg
+
+
 def group_options(group: str, source: ConfigSource = ORCHESTRATE) -> list[str]:
     """The options of a config group on the search path, e.g. the backends."""
     with _hydra(source):
@@ -143,13 +178,18 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig, checked: dict | None = None) -> None:
     """Refuse bad input before anything is written or run: build the job once (data, model,
-    backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError."""
-    problem = reachable(cfg.tracking.uri)  # first: a store that is not there fails in seconds, not minutes
-    if problem:
-        raise schema.ConfigError(problem)
-    Job.prepare(cfg, out_dir="unused")
+    backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError.
+    Checks of many configs (a sweep's trials) share `checked`: each tracking URI is asked once,
+    and a model is built and run once per distinct model, data and seed (Job.prepare's `models`)."""
+    checked = {} if checked is None else checked
+    uri = cfg.tracking.uri
+    if ("uri", uri) not in checked:  # first: a store that is not there fails in seconds, not minutes
+        checked[("uri", uri)] = reachable(uri)
+    if checked[("uri", uri)]:
+        raise schema.ConfigError(checked[("uri", uri)])
+    Job.prepare(cfg, out_dir="unused", models=checked.setdefault("models", {}))
     find_resume(cfg)
 
 

@@ -85,16 +85,17 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
 
 
 def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
-             trial: str = "") -> None:
+             trial: str = "", compose: app.Composer | None = None, checked: dict | None = None) -> None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
-    of a sweep)."""
+    of a sweep); a sweep's trials share a `compose` (app.Composer) and what `checked` keeps."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
-            app.check(app.load_config([*hydra_overrides, *overrides], source))
+            compose = compose or app.Composer(source, hydra_overrides)
+            app.check(compose(overrides), checked)
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
@@ -108,7 +109,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
-    from orchestrate.sweeps import plan
+    from orchestrate.sweeps import headstart, plan
 
     hydra_overrides = hydra_words(flags)
     try:
@@ -122,9 +123,12 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
         fail(f"{' '.join(overrides) or 'the sweep'}: the sweep has no trials (an empty range or list); "
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
-    for index, trial in enumerate(trials):
-        validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
-                 trial=f"trial {index} ({' '.join(trial)}): ")
+    # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
+    compose, checked = app.Composer(source, hydra_overrides), {}
+    with headstart.head_start(cfg, len(trials)):
+        for index, trial in enumerate(trials):
+            validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
+                     trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked)
 
 
 def is_hydra(word: str) -> bool:
@@ -267,6 +271,8 @@ def main() -> None:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.
+            from orchestrate.sweeps import headstart
             from orchestrate.sweeps.callbacks import close_open_sweeps
 
             close_open_sweeps()
+            headstart.release()  # a server started early that no sweep took (Hydra stopped first)

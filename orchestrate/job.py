@@ -19,6 +19,30 @@ from orchestrate.meter import Meter
 from orchestrate.tasks.data import DataSet
 
 
+_DATA: dict[str, DataSet] = {}  # data sets built in this process, by their resolved config
+DATA_KEPT = 4  # at most this many: a Ray worker runs trial after trial of a sweep, mostly on one data set
+
+
+def build_data(node: DictConfig) -> DataSet:
+    """The data set `node` describes, built once per process: data sets are read-only (batches are
+    served by position), so the trials of a sweep that one Ray worker runs in turn share it."""
+    key = OmegaConf.to_yaml(node, resolve=True)
+    if key not in _DATA:
+        while len(_DATA) >= DATA_KEPT:
+            _DATA.pop(next(iter(_DATA)))
+        _DATA[key] = schema.build(node, "data")
+    return _DATA[key]
+
+
+def model_key(cfg: DictConfig) -> str | None:
+    """What a model built for a check depends on: its config, its data's and the seed (None when
+    they do not resolve: building the model then says why)."""
+    try:
+        return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, ["model", "data"]), resolve=True) + str(cfg.trainer.seed)
+    except Exception:
+        return None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -97,17 +121,25 @@ class Job:
     resume_state: dict | None = None  # trainer.resume (or a restarted worker): the checkpoint to go on from
 
     @classmethod
-    def prepare(cls, cfg: DictConfig, out_dir: Path | str) -> "Job":
+    def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None) -> "Job":
         """Build everything from the config and refuse bad input (schema.ConfigError), before
-        any compute; nothing is written."""
+        any compute; nothing is written. `models`: for checks only (app.check), models already
+        built and run on their data, by config, reused instead of built again (the job is not run:
+        a grid over the learning rate builds its model once)."""
         schema.check(cfg)
         backend = schema.build(cfg.backend, "backend")
-        data = schema.build(cfg.data, "data")
-        # Same seed right before building the model: every backend starts from the same weights.
-        seed_everything(cfg.trainer.seed)
-        model = schema.build(cfg.model, "model")
-        # Both would otherwise fail only inside the loop, after the MLflow run has opened.
-        check_forward(model, data, cfg)
+        data = build_data(cfg.data)
+        key = model_key(cfg) if models is not None else None
+        if key is not None and key in models:
+            model = models[key]
+        else:
+            # Same seed right before building the model: every backend starts from the same weights.
+            seed_everything(cfg.trainer.seed)
+            model = schema.build(cfg.model, "model")
+            # Both would otherwise fail only inside the loop, after the MLflow run has opened.
+            check_forward(model, data, cfg)
+            if key is not None:
+                models[key] = model
         check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
         backend.check_workers(job)

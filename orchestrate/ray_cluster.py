@@ -14,12 +14,16 @@ are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot b
 `PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
+import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 LOOPBACK = ("127.0.0.1", "localhost")
+EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_background`
 _LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
+_EARLY: "_EarlyStart | None" = None  # a start begun by `init_in_background`, not yet taken by `init`
 
 
 class RayUnavailable(ValueError):
@@ -34,7 +38,16 @@ class PlacementError(RuntimeError):
 def init(address: str | None, key: str, **local_options) -> bool:
     """Start or join Ray unless this process already has (then return False); `key` names the
     config key that gave `address` (for the error when it cannot be reached). `local_options`
-    (num_cpus, ...) apply to a new local instance only. Raises RayUnavailable."""
+    (num_cpus, ...) apply to a new local instance only. Raises RayUnavailable. A start begun by
+    `init_in_background` is waited for and stands for this one (its result is returned)."""
+    global _EARLY
+    early, _EARLY = _EARLY, None
+    if early is not None:
+        return early.result()
+    return _start(address, key, **local_options)
+
+
+def _start(address: str | None, key: str, **local_options) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     local = address is None or address.split("://")[-1].split(":")[0] in LOOPBACK
     if local:
@@ -63,6 +76,88 @@ def init(address: str | None, key: str, **local_options) -> bool:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                              "auto, or the address of a running cluster") from None
     return True
+
+
+class _EarlyStart:
+    """`init` on a thread of its own, then `then()` there (e.g. tasks that warm the workers). The
+    thread stays for the life of the process: Ray's processes are started with Linux's
+    parent-death signal, which fires when the *thread* that started them ends."""
+
+    def __init__(self, address: str | None, key: str, then: Callable[[], None] | None, local_options: dict):
+        self.ready, self.lock = threading.Event(), threading.Lock()
+        self.started, self.error, self.cancelled = False, None, False
+        self.args = (address, key, then, local_options)
+        threading.Thread(target=self._run, name="ray-early-start", daemon=True).start()
+
+    def _run(self) -> None:
+        address, key, then, local_options = self.args
+        # Off the main thread Ray leaves SIGTERM's handler alone (what a run wants) and says so; and
+        # a sweep refused meanwhile should print its one line only, not Ray's notes.
+        chatty = [logging.getLogger(name) for name in _EARLY_NOTES]
+        for logger in chatty:
+            logger.addFilter(_no_early_notes)
+        try:
+            self.started = _start(address, key, **local_options)
+            if then is not None and not self.cancelled:
+                then()
+        except BaseException as e:  # handed to whoever waits for the start
+            self.error = e
+        finally:
+            for logger in chatty:
+                logger.removeFilter(_no_early_notes)
+            with self.lock:
+                self.ready.set()
+                if self.cancelled and self.started:
+                    _shutdown()
+        threading.Event().wait()
+
+    def cancel(self) -> None:
+        """Shut down the Ray this start brings up, now or once it is up: nobody waits for it.
+        Should the process end first, Ray's processes end with it (the parent-death signal)."""
+        with self.lock:
+            self.cancelled = True
+            if self.ready.is_set() and self.started:
+                _shutdown()
+
+    def result(self) -> bool:
+        if not self.ready.wait(EARLY_START_TIMEOUT_S):
+            raise RayUnavailable(f"Ray did not start within {EARLY_START_TIMEOUT_S} s")
+        if self.error is not None:
+            raise self.error
+        return self.started
+
+
+_EARLY_NOTES = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+
+
+def _no_early_notes(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not message.startswith(("SIGTERM handler is not set", "Token authentication is enabled"))
+
+
+def _shutdown() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def init_in_background(address: str | None, key: str, then: Callable[[], None] | None = None,
+                       **local_options) -> None:
+    """Begin `init(address, key, **local_options)` now, on another thread, and run `then()` once
+    Ray is up; the next `init` call in this process waits for it instead of starting Ray again.
+    A sweep starts Ray this way while it checks its trials."""
+    global _EARLY
+    if _EARLY is None:
+        _EARLY = _EarlyStart(address, key, then, local_options)
+
+
+def cancel_background_init() -> None:
+    """A start begun by `init_in_background` and not taken (the sweep was refused): the Ray it
+    brings up is shut down, without waiting for it to come up."""
+    global _EARLY
+    early, _EARLY = _EARLY, None
+    if early is not None:
+        early.cancel()
 
 
 def can_grow() -> bool:

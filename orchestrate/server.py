@@ -61,11 +61,12 @@ def check_port(host: str, port: int, option: str) -> None:
 
 class MlflowServer:
     """`mlflow server` in front of `store_uri`, artifacts served from `artifacts` (a folder or a
-    bucket URI), started and ready (/health answers) when the constructor returns. `log`: where
-    its output goes (None: this console)."""
+    bucket URI), started and ready (/health answers) when the constructor returns; with
+    `wait=False` started only, `wait_healthy` waits (a sweep starts its server while it checks
+    its trials). `log`: where its output goes (None: this console)."""
 
     def __init__(self, store_uri: str, artifacts: str | Path, host: str = "127.0.0.1", port: int | None = None,
-                 log: IO | None = None, timeout_s: float = HEALTH_TIMEOUT_S):
+                 log: IO | None = None, timeout_s: float = HEALTH_TIMEOUT_S, wait: bool = True):
         self.port = port or free_port(host)
         self.uri = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         # A log-batch request can hold one pooled connection while it waits for a second. With
@@ -81,17 +82,22 @@ class MlflowServer:
             [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", store_uri, "--serve-artifacts", "--artifacts-destination", str(artifacts)],
             env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None)
-        try:
-            self.wait_healthy(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self.healthy = False
+        if wait:
+            try:
+                self.wait_healthy(timeout_s)
+            except BaseException:
+                self.stop()
+                raise
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        if self.healthy:
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=2)
+                self.healthy = True
                 return
             except OSError:
                 if self.proc.poll() is not None:
@@ -100,7 +106,7 @@ class MlflowServer:
                 if time.monotonic() > deadline:
                     raise ServerError(f"mlflow server on {self.uri} did not answer /health "
                                       f"within {timeout_s:g} s") from None
-                time.sleep(0.3)
+                time.sleep(0.1)
 
     def stop(self) -> None:
         self.proc.terminate()  # `mlflow server` hands SIGTERM on to its uvicorn and waits for it

@@ -1,5 +1,12 @@
-"""Shared fixtures: a real MLflow tracking server on 127.0.0.1, and configs composed from conf/
-pointed at a test's temporary folder (the lightning-hydra-template way)."""
+"""Shared fixtures: a real MLflow tracking server on 127.0.0.1 and a real local Ray instance, each
+started once per session (Ray's `ray_start_regular_shared` is the model), and configs composed from
+conf/ pointed at a test's temporary folder (the lightning-hydra-template way).
+
+Two tiers (pytest's `--runslow` recipe): `pytest` (`make test`) runs the default tier, everything
+shown in this process or on the session's Ray and MLflow server; `pytest --runslow`
+(`make test-all`, CI) adds the tests marked `slow`: those whose proof is a process boundary
+(signals, kills, a command as a user types it, the README), a cluster, or minutes of training.
+An explicit `-m` expression chooses for itself."""
 
 import os
 import shutil
@@ -18,6 +25,44 @@ from orchestrate.sweeps._server import TrackingServer
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = sorted(p.stem for p in (ROOT / "conf" / "backend").glob("*.yaml"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow: the full suite (make test-all; CI runs it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or config.getoption("-m"):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
+
+
+@pytest.fixture(scope="session")
+def ray_shared():
+    """One local Ray with 2 CPUs on 127.0.0.1 for every in-process test that needs Ray (the runner,
+    the launcher's in-process sweeps); the runner and the launcher join it and leave it running.
+    Its workers import `tests.helpers` (PYTHONPATH holds the repository). Shut down at the end."""
+    import ray
+
+    from orchestrate import ray_cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), before) if p)
+    try:
+        ray_cluster.init(None, "test", num_cpus=2)
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = before
+    yield ray
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

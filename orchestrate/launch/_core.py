@@ -96,11 +96,20 @@ def _write_end_marker(marker: Optional[str]) -> None:
 
 @dataclass
 class Job:
-    """One job of the sweep: its index (hydra.job.num), its overrides and its composed config."""
+    """One job of the sweep: its index (hydra.job.num), its overrides and, once composed, its config."""
 
     idx: int
     overrides: list[str]
-    config: DictConfig
+    config: Optional[DictConfig] = None
+
+    def compose(self, launcher) -> DictConfig:
+        """The job's config, as Hydra's launchers compose it (the sweep's config with its overrides)."""
+        config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, self.overrides)
+        with open_dict(config):
+            config.hydra.job.id = f"{config.hydra.job.name}_{self.idx}"
+            config.hydra.job.num = self.idx
+        self.config = config
+        return config
 
     @property
     def shown(self) -> str:
@@ -118,25 +127,16 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     check(conf)
     resources = {k: v for k, v in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial)) if v}
 
-    # Every job's config is composed before anything runs: a bad override stops the whole sweep.
-    jobs = []
-    for i, overrides in enumerate(job_overrides):
-        idx = initial_job_idx + i
-        sweep_config = launcher.hydra_context.config_loader.load_sweep_config(cfg, list(overrides))
-        with open_dict(sweep_config):
-            sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{idx}"
-            sweep_config.hydra.job.num = idx
-        jobs.append(Job(idx, list(overrides), sweep_config))
+    # Each job's config is composed just before it is submitted (`run`), not all of them before
+    # the first starts: Hydra composes a config in about 0.1 s, minutes for a grid of thousands.
+    jobs = [Job(initial_job_idx + i, list(overrides)) for i, overrides in enumerate(job_overrides)]
     if conf.dry_run:
         print_plan(jobs, conf, resources)
-        return [JobReturn(overrides=j.overrides, cfg=j.config, status=JobStatus.COMPLETED) for j in jobs]
+        return [JobReturn(overrides=j.overrides, status=JobStatus.COMPLETED) for j in jobs]
 
     sweep_dir = Path(str(cfg.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    if "ray" not in sys.modules:  # Ray reads the setting when it is imported
-        # Ray's driver folds lines that look alike across workers into "[repeated Nx across
-        # cluster]": the jobs of a sweep print alike lines, and all but one job's would be hidden.
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    before_ray_import()
     if conf.address and conf.num_cpus is not None:
         log.warning(f"hydra.launcher.num_cpus={conf.num_cpus} is ignored: it sizes a new local Ray instance, "
                     f"and hydra.launcher.address={conf.address} joins a running cluster")
@@ -157,6 +157,14 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         log.info(f"\t#{job.idx} : {job.shown}")
     with OutputBarrier() as barrier:
         return run(jobs, launcher, barrier)
+
+
+def before_ray_import() -> None:
+    """Settings Ray reads when it is imported (a sweep may import it early: see ray_cluster.init_in_background)."""
+    if "ray" not in sys.modules:
+        # Ray's driver folds lines that look alike across workers into "[repeated Nx across
+        # cluster]": the jobs of a sweep print alike lines, and all but one job's would be hidden.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def check(conf) -> None:
@@ -180,9 +188,24 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
     # Shipped once to the object store, not once per job.
     shared = [ray.put(launcher.hydra_context), ray.put(launcher.task_function)]
     state = ray.put(Singleton.get_state())
-    # A task's name prefixes its lines on this console: "(#3 pid=4242) ..." is job #3's.
-    pending = {remote.options(name=f"#{job.idx}", **options).remote(*shared, job.config, state, barrier.marker(job.idx)):
-               job for job in jobs}
+    waiting = collections.deque(jobs)
+    pending: dict = {}
+
+    def submit_more(ahead: int) -> None:
+        """Compose and submit jobs until `ahead` are submitted and not done (or none is left). A
+        task's name prefixes its lines on this console: "(#3 pid=4242) ..." is job #3's."""
+        while waiting and len(pending) < ahead:
+            job = waiting.popleft()
+            ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, job.compose(launcher), state,
+                                                                      barrier.marker(job.idx))
+            pending[ref] = job
+
+    # Jobs queued beyond those running, so that a slot that frees up finds its next job waiting;
+    # the rest are composed as jobs end. A cluster that may grow (an autoscaler) sees every job.
+    fixed = not ray_cluster.can_grow() and (conf.cpus_per_trial or conf.gpus_per_trial)
+    ahead = max(4, 2 * slots(conf)) if fixed else len(jobs)
+    submit_more(1)  # the first job starts before the others are composed
+    submit_more(ahead)
     returns: dict[int, JobReturn] = {}
     marked: list[int] = []  # jobs whose worker wrote the end of its output
     began = time.perf_counter()
@@ -195,16 +218,28 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
             marked.append(job.idx)
         if ret.status == JobStatus.COMPLETED:
             log.info(f"\t#{job.idx} : {job.shown} COMPLETED after {time.perf_counter() - began:.1f} s")
+            submit_more(ahead)
             continue
         log.error(f"\t#{job.idx} : {job.shown} FAILED: {ret._return_value}")
         if conf.fail_fast:
-            for other in pending.values():
+            for other in [*pending.values(), *waiting]:
                 log.warning(f"\t#{other.idx} : {other.shown} CANCELLED (hydra.launcher.fail_fast=true)")
             cancel(list(pending))
             barrier.wait(marked)
             raise ret._return_value
+        submit_more(ahead)
     barrier.wait(marked)
     return [returns[job.idx] for job in jobs]
+
+
+def slots(conf) -> int:
+    """How many jobs the cluster can run at once, by the CPUs and GPUs each asks for."""
+    import ray
+
+    total = ray.cluster_resources()
+    fits = [total.get(key, 0) / asked for key, asked in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial))
+            if asked]
+    return max(1, int(min(fits))) if fits else 1
 
 
 def cancel(refs: list, wait_s: float = CANCEL_WAIT_S) -> None:

@@ -91,13 +91,16 @@ class Sweep:
                                  "trials on the cluster's nodes, which cannot reach this machine's SQLite store "
                                  "or the sweep's server on 127.0.0.1; set tracking.uri=http://HOST:PORT "
                                  "(an MLflow server the nodes can reach)")
+            from orchestrate.sweeps import headstart
             from orchestrate.sweeps._server import TrackingServer, prepare_store
 
-            prepare_store(uri, settings.experiment)
             began = time.perf_counter()
-            self.server = TrackingServer(uri, Path("mlartifacts").resolve())
+            self.server = headstart.take_server(uri)  # started by the command line, while it checked the trials
+            if self.server is None:
+                prepare_store(uri, settings.experiment)
+                self.server = TrackingServer(uri, Path("mlartifacts").resolve())
             log.info(f"MLflow server for the sweep on {self.server.uri} "
-                     f"(started in {time.perf_counter() - began:.1f} s)")
+                     f"(waited {time.perf_counter() - began:.1f} s for it)")
             uri = self.server.uri
         try:
             self._open_parent(uri, config)

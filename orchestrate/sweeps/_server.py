@@ -27,22 +27,30 @@ class TrackingServer(MlflowServer):
     """`mlflow server` on a free port of 127.0.0.1 in front of a SQLite store, its output in a
     temporary log file (kept, and named, only when the server failed). Many trials writing to one
     SQLite file at once fail ("database is locked", schema races); one server serialises their
-    writes."""
+    writes. With `wait=False` the server is only started: `wait_healthy` waits for it."""
 
-    def __init__(self, sqlite_uri: str, artifact_root: Path):
+    def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
-        self.started = False
+        self.started = self.failed = False
+        super().__init__(sqlite_uri, artifact_root, log=self.log, wait=False)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
         try:
-            super().__init__(sqlite_uri, artifact_root, log=self.log)
+            super().wait_healthy(*([timeout_s] if timeout_s is not None else []))
             self.started = True
         except ServerError as e:
+            self.failed = True
+            self.stop()
             raise RuntimeError(f"the sweep's MLflow server did not start ({e}); its log: {self.log.name}") from None
 
     def stop(self) -> None:
         super().stop()
         self.log.close()
-        # -SIGTERM is the stop above; anything else is the server's own failure: keep its log.
-        if self.started and self.proc.returncode in (0, -signal.SIGTERM):
+        # -SIGTERM is the stop above (also of a server a refused sweep started early); anything else,
+        # or a server that never answered, is the server's own failure: keep its log.
+        if not self.failed and self.proc.returncode in (0, -signal.SIGTERM):
             Path(self.log.name).unlink(missing_ok=True)
         elif self.started:
             print(f"the sweep's MLflow server exited with code {self.proc.returncode}; its log: {self.log.name}")

@@ -10,7 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate.schema import ConfigError
 
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+GRID_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                 "hydra_plugins.orchestrate_grid_sweeper.grid_sweeper.OrchestrateGridSweeper")
 
 
 def trials(cfg: DictConfig) -> list[list[str]]:
@@ -53,4 +54,4 @@ def trials(cfg: DictConfig) -> list[list[str]]:
 
 def is_grid(cfg: DictConfig) -> bool:
     """Whether the sweeper runs exactly `trials(cfg)` (Hydra's basic sweeper), not a sample of them."""
-    return OmegaConf.select(cfg, "hydra.sweeper._target_") == BASIC_SWEEPER
+    return OmegaConf.select(cfg, "hydra.sweeper._target_") in GRID_SWEEPERS

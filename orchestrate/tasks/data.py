@@ -17,7 +17,9 @@ from orchestrate import losses
 
 
 class DataSet(Protocol):
-    """What every backend's loop reads from `data`."""
+    """What every backend's loop reads from `data`. A data set is read-only once built (batches
+    are served by position): one built data set serves every run of a process that asks for the
+    same config (orchestrate.job.build_data: a sweep's trials on one Ray worker)."""
 
     loss: str  # a name in orchestrate.losses.LOSSES: how the model's output is scored
 

@@ -18,18 +18,25 @@ from tests.helpers import fit_untracked
 METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
 
 
+def backend_target(backend: str) -> type:
+    return schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend")
+
+
 def starts_ort_or_ray(backend: str) -> bool:
     """ORTModule (graph build, C++ extensions) and Ray (a cluster, worker processes) are slow to start."""
     from orchestrate.backends.ortmodule import ORTModuleBackend
 
-    target = schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend")
+    target = backend_target(backend)
     return issubclass(target, ORTModuleBackend) or target.distributed
 
 
 @pytest.fixture(scope="module", params=[pytest.param(b, marks=pytest.mark.slow) if starts_ort_or_ray(b) else b
                                         for b in BACKENDS])
 def trained(request, mlflow_server, tmp_path_factory):
-    """One short run per backend on the synthetic task, tracked by the MLflow server."""
+    """One short run per backend on the synthetic task, tracked by the MLflow server (the runner on
+    the session's Ray)."""
+    if backend_target(request.param).distributed:
+        request.getfixturevalue("ray_shared")
     out = tmp_path_factory.mktemp(request.param)
     cfg = app.load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
                            "trainer.checkpoint_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
@@ -147,9 +154,11 @@ SIGNATURE_CASES += [pytest.param("runner", "cnn", ("backend.engine=ondevice", "t
 
 
 @pytest.mark.parametrize("backend,model,overrides", SIGNATURE_CASES)
-def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, overrides, tmp_path):
+def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, overrides, tmp_path, request):
     """Compared with torch's export of the untrained model (what backend=torch writes at its end,
     test_onnx_model_has_the_signature_of_torchs_export): training changes no shape."""
+    if backend_target(backend).distributed:
+        request.getfixturevalue("ray_shared")
     overrides = [f"backend={backend}", f"model={model}", *paired_data(model), "trainer=quick", "trainer.max_steps=2",
                  "trainer.batch_size=8", "trainer.evaluation_period=0", "trainer.checkpoint_period=0", *overrides]
     cfg = app.load_config(overrides)

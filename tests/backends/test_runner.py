@@ -23,13 +23,9 @@ COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=q
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray with 2 CPUs on 127.0.0.1 for this module's runs (the runner joins it and
-    leaves it running), stopped at the end: later modules start from no Ray."""
-    started = ray_cluster.init(None, "test", num_cpus=2)
-    assert started, "a Ray instance was left running by an earlier test"
-    yield
-    ray.shutdown()
+def local_ray(ray_shared):
+    """The session's local Ray (2 CPUs) for this module's runs: the runner joins it and leaves it running."""
+    return ray_shared
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray with 2 CPUs for this module's in-process sweeps, shut down after the module so
-    that no later module finds it running (and none found earlier is reused: its size is unknown)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray_cluster.init(None, "test", num_cpus=2)
-    yield ray
-    ray.shutdown()
+def local_ray(ray_shared):
+    """The session's local Ray (2 CPUs) for this module's in-process sweeps."""
+    return ray_shared
 
 
 @pytest.fixture

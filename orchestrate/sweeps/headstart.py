@@ -1,0 +1,134 @@
+"""A sweep's slow services, started while the command line checks its trials.
+
+Before a trial's first step, a sweep needs its MLflow server (a process that takes seconds to
+answer), a local Ray instance (seconds again) and a Ray worker that has imported the app (torch,
+MLflow, Hydra: seconds more). None of them needs the others, nor the up-front check of every
+trial, so `head_start` begins them at once: the server's process, and Ray on a thread of its own
+that then hands every slot a warm-up task importing the app and building the sweep's data set
+(Ray hands the same worker processes the trials that follow, and `job.build_data` keeps the data
+set for them); the launcher's `ray_cluster.init` returns once they are done.
+
+Whoever needs a service takes it as if they had started it: the sweep callbacks
+(`_runs.Sweep`) take the server of their store (`take_server`), the launcher's `ray_cluster.init`
+waits for Ray. A sweep refused by the check stops both again and removes the store the server
+was given, if it made it: a refused command leaves nothing behind.
+"""
+
+import atexit
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+WARM_MODULES = ("orchestrate.app",)  # what a trial imports first: the app, with torch, MLflow, Hydra
+RAY_LAUNCHER = "OrchestrateRayLauncher"
+WARM_UP_TIMEOUT_S = 60  # the longest the launcher waits for the warm-ups (then it goes on without them)
+_SERVERS: dict = {}  # store URI -> its TrackingServer, started early and not taken yet
+
+
+@contextlib.contextmanager
+def head_start(cfg: DictConfig, trials: int) -> Iterator[None]:
+    """Start what the sweep `cfg` (its multirun config, `hydra` node included) of `trials` trials
+    will need, while the body runs (the up-front check); if the body raises, stop it all."""
+    launcher = cfg.hydra.launcher
+    made: list[Path] = []
+    if not launcher.get("dry_run", False):
+        made = _start_server(cfg)
+        if str(launcher.get("_target_", "")).endswith(RAY_LAUNCHER):
+            _start_ray(cfg, trials)
+    try:
+        yield
+    except BaseException:
+        from orchestrate import ray_cluster
+
+        release()
+        ray_cluster.cancel_background_init()
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _start_server(cfg: DictConfig) -> list[Path]:
+    """The sweep's own MLflow server, as `_runs.Sweep` would start it: for a SQLite store the
+    trials write through (the sweep_tracking callback's settings). Returns the files it created."""
+    from orchestrate.tracking import absolute_uri
+
+    tracking = OmegaConf.select(cfg, "hydra.callbacks.sweep_tracking")
+    if tracking is None or not str(tracking.get("_target_", "")).endswith(".SweepTracking"):
+        return []
+    uri = absolute_uri(str(tracking.tracking_uri))
+    if not (uri.startswith("sqlite:///") and tracking.get("tracking_server", True)) or uri in _SERVERS:
+        return []
+    if str(cfg.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+        return []  # refused by _runs.Sweep with its own message
+    from orchestrate.sweeps._server import TrackingServer, prepare_store
+    from orchestrate.tracking import new_sqlite_store
+
+    path = Path(uri.removeprefix("sqlite:///"))
+    made = [] if path.exists() else [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+    new_sqlite_store(uri)
+    prepare_store(uri, str(tracking.experiment))
+    _SERVERS[uri] = TrackingServer(uri, Path("mlartifacts").resolve(), wait=False)
+    return made
+
+
+def take_server(uri: str):
+    """The server started early for store `uri`, answering; None if there is none."""
+    server = _SERVERS.pop(uri, None)
+    if server is not None:
+        server.wait_healthy()
+    return server
+
+
+def release() -> None:
+    """Stop every server started early and not taken (the sweep never began)."""
+    while _SERVERS:
+        _SERVERS.popitem()[1].stop()
+
+
+atexit.register(release)
+
+
+def _start_ray(cfg: DictConfig, trials: int) -> None:
+    """Ray as the launcher will ask for it, then one warm-up task per slot a trial can take."""
+    from orchestrate import ray_cluster
+    from orchestrate.launch import _core
+
+    launcher = cfg.hydra.launcher
+    _core.before_ray_import()
+    cpus = float(launcher.cpus_per_trial or 0)
+    try:
+        data = OmegaConf.to_container(cfg.data, resolve=True)
+    except Exception:  # an interpolation only a trial resolves: the trial builds its data itself
+        data = None
+
+    def warm() -> None:
+        import ray
+
+        total = ray.cluster_resources().get("CPU", 0)
+        slots = min(trials, math.floor(total / cpus) if cpus else os.cpu_count() or 1)
+        task = ray.remote(warm_up).options(num_cpus=cpus, max_retries=0, name="warm-up")
+        # Waited for (the launcher's `ray_cluster.init` returns after this): trials submitted
+        # while the warm-ups run would make Ray start more workers, each importing everything again.
+        ray.wait([task.remote(WARM_MODULES, data) for _ in range(max(slots, 1))], num_returns=max(slots, 1),
+                 timeout=WARM_UP_TIMEOUT_S)
+
+    ray_cluster.init_in_background(launcher.address, "hydra.launcher.address", then=warm,
+                                   num_cpus=launcher.num_cpus)
+
+
+def warm_up(modules: tuple[str, ...], data: dict | None) -> None:
+    """Runs in a Ray worker before any trial: import what a trial imports, and build the sweep's
+    data set into the worker's cache. Failures are the trial's to report, not this task's."""
+    import importlib
+
+    with contextlib.suppress(Exception):
+        for name in modules:
+            importlib.import_module(name)
+        if data is not None:
+            from orchestrate.job import build_data
+
+            build_data(OmegaConf.create(data))
