@@ -121,11 +121,14 @@ class Job:
     resume_state: dict | None = None  # trainer.resume (or a restarted worker): the checkpoint to go on from
 
     @classmethod
-    def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None) -> "Job":
+    def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,
+                parallel: Parallel | None = None) -> "Job":
         """Build everything from the config and refuse bad input (schema.ConfigError), before
-        any compute; nothing is written. `models`: for checks only (app.check), models already
-        built and run on their data, by config, reused instead of built again (the job is not run:
-        a grid over the learning rate builds its model once)."""
+        any compute; nothing is written. `parallel`: the data-parallel context the loop runs in
+        (the runner's workers give theirs; one process by default), which also sets the device,
+        who logs and the samples a step counts. `models`: for checks only (app.check), models
+        already built and run on their data, by config, reused instead of built again (the job is
+        not run: a grid over the learning rate builds its model once)."""
         schema.check(cfg)
         backend = schema.build(cfg.backend, "backend")
         data = build_data(cfg.data)
@@ -141,7 +144,8 @@ class Job:
             if key is not None:
                 models[key] = model
         check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
-        job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir))
+        job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
+                  parallel=parallel or Parallel())
         backend.check_workers(job)
         if cfg.trainer.resume and not backend.resumable:
             raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
@@ -158,16 +162,14 @@ class Job:
         # loop reads these settings several times a step.
         self.trainer: schema.TrainerConf = OmegaConf.to_object(self.cfg.trainer)
         self.lr = float(self.cfg.optimizer.lr)
-        self.device = torch.device(self.trainer.device.value)
+        self.device = self.parallel.device or torch.device(self.trainer.device.value)
         self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints",
                                        log_to_tracker=self.cfg.tracking.log_checkpoints)
-        self.meter = self.make_meter()
-
-    def make_meter(self, logging: bool = True) -> Meter:
+        self.checkpoints.writer = self.parallel.logging
         t = self.trainer
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
-        return Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=logging,
-                     paused=lambda: self.checkpoints.seconds)
+        self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
+                           paused=lambda: self.checkpoints.seconds)
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""

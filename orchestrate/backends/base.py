@@ -49,7 +49,25 @@ class Backend(ABC):
         """Train `job.model` on `job.data` for `job.trainer.max_steps` steps, reporting every
         step to `job.meter` (record, evaluate) and `job.checkpoints` (save), and exporting the
         model with `job.export_model` at the end (on the logging rank). A resumable backend
-        starts after the step stored in `job.resume_state` when that is set."""
+        starts after the step stored in `job.resume_state` when that is set.
+
+        A `data_parallel` backend's loop runs on every rank of the runner at once (`job.parallel`
+        is then the runner's `Workers`, `job.device` the rank's device) and keeps these rules, or
+        the ranks wait on each other for ever:
+        - Collective calls, made by every rank at the same steps in the same order: the forward
+          and backward of the model that `job.parallel.wrap` returned (DDP's gradient AllReduce;
+          micro-batches inside `job.parallel.accumulating`), `job.parallel.all_reduce_`,
+          `job.parallel.replica_metrics` and `job.parallel.agree`. A rank that stops before
+          `max_steps` does so only when every rank does (`agree` on it first).
+        - Every rank calls `job.meter` (`steps`, `record`, `evaluate`, `log`) and
+          `job.checkpoints.save` at the same steps: the meter logs to MLflow and the checkpoints
+          are written only on the logging rank, and each rank reports to Ray Train on `save`.
+        - Batches come from `job.train_batch(step, micro)`: each rank's own share of the same
+          global batch, in the same seeded order; the model is built from the same seed on every
+          rank (the same initial weights).
+        - Only the logging rank (`job.parallel.logging`, rank 0) exports the model
+          (`job.export_model`).
+        """
 
     @abstractmethod
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
@@ -94,6 +112,7 @@ class Parallel:
 
     rank = 0
     world_size = 1
+    device: torch.device | None = None  # None: trainer.device
     logging = True  # this process logs, evaluates and checkpoints (rank 0)
     average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
 

@@ -44,13 +44,12 @@ def worker_loop(config: dict) -> None:
     os.environ.update(ONE_LOGGING_THREAD)
     if rank != 0:
         cfg.trainer.progress = False
-    job = Job.prepare(cfg, Path(config["out_dir"]))  # same seed: same initial weights on every rank
-    engine = schema.build(OmegaConf.create(config["engine"]), "backend.engine")
     device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
-    job.parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas)
-    job.device, job.meter = device, job.make_meter(logging=rank == 0)
+    parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas)
+    # Built once, for this rank (the same seed: the same initial weights on every rank).
+    job = Job.prepare(cfg, Path(config["out_dir"]), parallel=parallel)
+    engine = schema.build(OmegaConf.create(config["engine"]), "backend.engine")
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
-    job.checkpoints.writer = rank == 0
     if engine.resumable:
         job.resume_state = resume_state(config, engine)
     reporter = Reporter(job.parallel)
