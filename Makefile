@@ -1,11 +1,12 @@
-# Two commands: `make run` (set up, then train the default experiment) and `make test`.
+# Two commands: `make run` (set up, then train the default experiment) and `make test` (the default
+# test tier); `make test-all` is the full suite (CI runs it).
 # Works from any folder: `make -f /path/to/checkout/Makefile run` trains in the current one.
 ROOT   := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
 PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test bench ui server screenshots clean
+.PHONY: setup run test test-all coverage bench ui server screenshots clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
 $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
@@ -25,8 +26,17 @@ setup: $(VENV)/.ortmodule-extensions
 run: setup
 	$(BIN)/python -m orchestrate $(ARGS)
 
+# The default tier: everything shown in one process, on one Ray instance and one MLflow server.
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
+
+# The full suite: the default tier and the tests marked slow (process boundaries, clusters, the README).
+test-all: setup
+	$(BIN)/python -m pytest --runslow $(ARGS)
+
+# Line coverage of orchestrate/ over the full suite, subprocesses and Ray workers included.
+coverage: setup
+	$(BIN)/python -m pytest --runslow --cov --cov-report=term $(ARGS)
 
 bench: setup
 	$(BIN)/python $(ROOT)benchmarks/backends.py $(ARGS)

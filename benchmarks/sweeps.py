@@ -1,6 +1,6 @@
 """What a sweep costs beyond its trials, on the default Ray launcher:
 
-  first    time from the command to the first trial's first step, split into where it goes
+  first    time from the command to the first trial's first step, and when each phase was done
   compose  composing and checking every trial up front, for 10, 100 and 300 trials
   pack     an 8-trial sweep on the machine's cores against the ideal (8 x one trial alone / 2)
 
@@ -12,10 +12,12 @@ Sweeps run as users run them (`python -m orchestrate ...` in a fresh folder, a S
 that the sweep starts its own MLflow server), torch backend, eval and checkpoints off.
 
 The first step is read from MLflow: the trial logs train/loss at step 1 (trainer.display_loss_steps=1)
-with the time it was logged. The split comes from the sweep's own log lines ("MLflow server ...
-started in X s", "Ray ready in Y s"), the trial's child run (created by the sweep callback in the
-Ray worker, just before the app starts) and, measured in this process, `cli.validate_sweep` (the
-up-front check of every trial). Prints markdown tables; writes docs/sweeps.png.
+with the time it was logged. The sweep's MLflow server, Ray and its workers' warm-up start with the
+command, beside the up-front check (orchestrate.sweeps.headstart); when each was ready comes from
+the sweep's own log lines ("MLflow server ... (waited X s for it)", "Ray ready (waited Y s for it)"), the
+trial's child run (created by the sweep callback in the Ray worker, just before the app starts)
+and, measured in this process, `cli.validate_sweep` (the up-front check of every trial). Prints
+markdown tables; writes docs/sweeps.png.
 """
 
 import argparse
@@ -92,24 +94,24 @@ def part_first(steps: int) -> list[tuple[str, float]]:
         began, lines, wall = run_sweep(["+sweep=lr_grid", f"trainer.max_steps={steps}", "trainer.display_loss_steps=1",
                                         *COMMON], folder)
         first = first_step(folder, began)
-    server = seconds_in(lines, r"MLflow server for the sweep on \S+ \(started in ([\d.]+) s\)")
-    ray = seconds_in(lines, r"Ray ready in ([\d.]+) s")
+    # The server, Ray (with its workers' warm-up) and the up-front check run side by side
+    # (orchestrate.sweeps.headstart): each line below is when that phase was done, from the command.
+    server = seconds_in(lines, r"MLflow server for the sweep on \S+ \(waited ([\d.]+) s for it\)")
+    ray = seconds_in(lines, r"Ray ready \(waited ([\d.]+) s for it\)")
     checks = validate_seconds(["1e-3", "3e-3", "1e-2"])  # the same sweep's up-front check, here
-    server_began = server[0] - server[1]
-    ray_began = ray[0] - ray[1]
     split = [
-        ("python start, imports, composition, up-front check of the 3 trials", server_began),
-        ("  of which `validate_sweep` (measured in-process, first call: its imports included)", checks),
-        ("the sweep's MLflow server start (SQLite store)", server[1]),
-        ("parent run, Hydra sweeper and launcher composition", ray_began - server[0]),
-        ("Ray start (local instance)", ray[1]),
-        ("placement check, task submission, Ray worker start, trial's child run", first["trial_run_created"] - ray[0]),
-        ("the trial's own start-up (app: imports, build, MLflow run) to step 1", first["first_step"] - first["trial_run_created"]),
+        ("`validate_sweep` alone (measured in-process, first call: its imports included)", checks),
+        ("the sweep's MLflow server answers, the parent run opens (started at the command's start)", server[0]),
+        ("  of which the parent run waited for the server", server[1]),
+        ("Ray up and its workers warm (started at the command's start); the launcher submits", ray[0]),
+        ("  of which the launcher waited for them", ray[1]),
+        ("the first trial's child run opens in its Ray worker", first["trial_run_created"]),
+        ("the trial's own start-up (app: build, MLflow run) to step 1", first["first_step"] - first["trial_run_created"]),
         ("**command to first step**", first["first_step"]),
-        ("whole sweep (3 trials, wall)", wall),
+        ("**whole sweep (3 trials, wall)**", wall),
     ]
     print(f"\n### Command to the first trial's first step ({steps}-step trials, lr_grid, 3 trials)\n")
-    print("| phase | seconds |\n|---|---:|")
+    print("| phase (seconds from the command unless said) | seconds |\n|---|---:|")
     for name, s in split:
         print(f"| {name} | {s:.1f} |")
     return split
@@ -162,7 +164,8 @@ def part_pack(steps: int, trials: int = 8) -> dict[str, float]:
            "sweep wall s (parent run open to close)": wall, "of which before the first trial started s": first,
            "trials' wall from first start s": wall - first, "summed trial time s": summed,
            "packing ideal s (summed / cores)": summed / cores, "command wall s": command_wall,
-           "wall / ideal": wall / ideal, "(wall - start-up) / ideal": (wall - first) / ideal}
+           "wall / ideal": wall / ideal, "(wall - start-up) / ideal": (wall - first) / ideal,
+           "**command wall / ideal**": command_wall / ideal}
     print(f"\n### Packing: {trials} trials of {steps} steps, 1 CPU each, on {cores} cores\n")
     print("| figure | value |\n|---|---:|")
     for k, v in out.items():
@@ -181,15 +184,13 @@ def plot(first, compose, pack, png: Path) -> None:
     axes = list(axes[0])
     if first:
         ax = axes.pop(0)
-        phases = [(n, s) for n, s in first if not n.startswith(("  ", "**", "whole"))]
-        left = 0.0
-        for name, s in phases:
-            ax.barh(0, s, left=left, label=name[:48])
-            left += s
-        ax.set_yticks([])
+        # Milestones from the command (the phases overlap: each bar runs from 0 to when it was done).
+        done = [(n.strip("*"), s) for n, s in first if not n.startswith(("  ", "`", "the trial's own"))]
+        ax.barh(range(len(done)), [s for _, s in done])
+        ax.set_yticks(range(len(done)), [n[:40] for n, _ in done], fontsize=6)
+        ax.invert_yaxis()
         ax.set_xlabel("seconds from the command")
         ax.set_title("command to first step", fontsize=10)
-        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     if compose:
         ax = axes.pop(0)
         ns = [r[0] for r in compose]

@@ -93,8 +93,8 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
     assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
 
 
-@pytest.mark.parametrize("backend", ["torch", "ortmodule", "ondevice", pytest.param("runner", marks=pytest.mark.slow)])
-def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd):
+@pytest.mark.parametrize("backend", ["torch", "ortmodule", "ondevice", "runner"])
+def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd, request):
     """A run is killed with SIGKILL in step 27, after checkpoints at 10 and 20 (its data set kills
     the process: an on-device model runs inside ORT); the same command with trainer.resume=auto
     goes on from step 20 in the same MLflow run: every step logged once, and the losses and
@@ -108,6 +108,7 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
                  "data._target_=tests.helpers.KillingData", "+data.kill_at=26", f"+data.marker={marker}"]
     if backend == "runner":
         overrides += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=2", "trainer.batch_size=16"]
+        request.getfixturevalue("ray_shared")  # the runs in this process; the killed command starts its own
     uri = make_cfg().tracking.uri
     # The first attempt is a command of its own, the process the data set kills: make_cfg's
     # settings on its command line, its outputs in tmp_path, tests.helpers importable (Ray's workers too).

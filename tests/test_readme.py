@@ -146,7 +146,9 @@ PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data
 EXPECTED: dict[str, Expect] = {
     # ---- the two commands, and the package used directly
     "make run": Expect(says=("eval accuracy", "MLflow run"), runs=1, tags={"backend": "ortmodule"}),
-    "make test": Expect(skip="the command that runs this test (CI runs it)"),
+    "make test": Expect(skip="the command that runs the default tier"),
+    "make test-all": Expect(skip="the command that runs this test (CI runs it)"),
+    "make coverage": Expect(skip="the full suite again, with coverage"),
     "python -m orchestrate backend=ondevice optimizer.lr=3e-3": Expect(runs=1, tags={"backend": "ondevice"}),
     "python -m orchestrate backend=torch model=char_transformer data=python_source trainer.batch_size=16": Expect(
         extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,

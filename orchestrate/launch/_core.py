@@ -145,7 +145,7 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
 
     if started:
-        log.info(f"Ray ready in {time.perf_counter() - began:.1f} s: {ray.cluster_resources()}")
+        log.info(f"Ray ready (waited {time.perf_counter() - began:.1f} s for it): {ray.cluster_resources()}")
     asked = " ".join(f"hydra.launcher.{key}={getattr(conf, key):g}" for key in ("cpus_per_trial", "gpus_per_trial")
                      if getattr(conf, key)) + ": a trial"
     ray_cluster.wait_for_placement([resources], "PACK", conf.placement_timeout_s, asked,
@@ -190,15 +190,34 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
     state = ray.put(Singleton.get_state())
     waiting = collections.deque(jobs)
     pending: dict = {}
+    returns: dict[int, JobReturn] = {}
+    marked: list[int] = []  # jobs whose worker wrote the end of its output
 
     def submit_more(ahead: int) -> None:
         """Compose and submit jobs until `ahead` are submitted and not done (or none is left). A
-        task's name prefixes its lines on this console: "(#3 pid=4242) ..." is job #3's."""
+        task's name prefixes its lines on this console: "(#3 pid=4242) ..." is job #3's. A job
+        whose config does not compose fails alone (with fail_fast, the sweep stops on it)."""
         while waiting and len(pending) < ahead:
             job = waiting.popleft()
-            ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, job.compose(launcher), state,
-                                                                      barrier.marker(job.idx))
+            try:
+                config = job.compose(launcher)
+            except Exception as e:
+                returns[job.idx] = JobReturn(overrides=job.overrides, status=JobStatus.FAILED,
+                                             _return_value=TrialError.of(e))
+                log.error(f"\t#{job.idx} : {job.shown} FAILED: its config does not compose: {e}")
+                if conf.fail_fast:
+                    stop()
+                    raise
+                continue
+            ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, config, state, barrier.marker(job.idx))
             pending[ref] = job
+
+    def stop() -> None:
+        """fail_fast: the jobs not done are cancelled (running ones ended), the rest never start."""
+        for other in [*pending.values(), *waiting]:
+            log.warning(f"\t#{other.idx} : {other.shown} CANCELLED (hydra.launcher.fail_fast=true)")
+        cancel(list(pending))
+        barrier.wait(marked)
 
     # Jobs queued beyond those running, so that a slot that frees up finds its next job waiting;
     # the rest are composed as jobs end. A cluster that may grow (an autoscaler) sees every job.
@@ -206,8 +225,6 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
     ahead = max(4, 2 * slots(conf)) if fixed else len(jobs)
     submit_more(1)  # the first job starts before the others are composed
     submit_more(ahead)
-    returns: dict[int, JobReturn] = {}
-    marked: list[int] = []  # jobs whose worker wrote the end of its output
     began = time.perf_counter()
     while pending:
         (ref,), _ = ray.wait(list(pending), num_returns=1)
@@ -222,10 +239,7 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
             continue
         log.error(f"\t#{job.idx} : {job.shown} FAILED: {ret._return_value}")
         if conf.fail_fast:
-            for other in [*pending.values(), *waiting]:
-                log.warning(f"\t#{other.idx} : {other.shown} CANCELLED (hydra.launcher.fail_fast=true)")
-            cancel(list(pending))
-            barrier.wait(marked)
+            stop()
             raise ret._return_value
         submit_more(ahead)
     barrier.wait(marked)

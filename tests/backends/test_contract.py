@@ -30,8 +30,7 @@ def starts_ort_or_ray(backend: str) -> bool:
     return issubclass(target, ORTModuleBackend) or target.distributed
 
 
-@pytest.fixture(scope="module", params=[pytest.param(b, marks=pytest.mark.slow) if starts_ort_or_ray(b) else b
-                                        for b in BACKENDS])
+@pytest.fixture(scope="module", params=BACKENDS)
 def trained(request, mlflow_server, tmp_path_factory):
     """One short run per backend on the synthetic task, tracked by the MLflow server (the runner on
     the session's Ray)."""

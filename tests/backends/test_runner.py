@@ -1,7 +1,8 @@
 """The runner's correctness, as ORT states it for data-parallel training: N workers with batch B equal one worker with
 batch N*B, and K accumulated micro-batches equal one batch K times larger, update for update;
 all ranks hold the same parameters; a killed worker costs nothing but time; a two-node cluster
-on loopback trains with one worker per node.
+on loopback trains with one worker per node. Two workers against one is in the default tier (on
+the session's Ray); the other engines, accumulation, faults and the cluster are `slow`.
 Tolerances on the final weights: 1e-5 absolute for the plain PyTorch and the on-device engines
 (the sums are only reordered), 1e-4 for ORTModule (ORT's kernels sum differently)."""
 
@@ -17,7 +18,6 @@ from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, served_twice
 
-pytestmark = pytest.mark.slow
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
           "trainer.evaluation_period=0", "trainer.checkpoint_period=0", "optimizer=sgd", "optimizer.lr=0.1"]
 
@@ -64,6 +64,7 @@ def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identi
     assert all(v == 0.0 for _, v in divergence)
 
 
+@pytest.mark.slow
 def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path, one_worker):
     acc = train(tmp_path, "acc", "trainer.gradient_accumulation_steps=4", "trainer.batch_size=16")
     assert_same(final_weights(acc), final_weights(one_worker), atol=1e-5)
@@ -78,12 +79,14 @@ def test_the_weights_moved(one_worker):
     assert not torch.allclose(trained["net.0.weight"], initial["net.0.weight"])
 
 
+@pytest.mark.slow
 def test_ortmodule_engine_two_workers_equal_one(tmp_path, one_worker):
     """DDP(ORTModule(model)): the same equivalence, within 1e-4."""
     two = train(tmp_path, "two", "backend.engine=ortmodule", "trainer.num_workers=2", "trainer.batch_size=32")
     assert_same(final_weights(two), final_weights(one_worker), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_ondevice_engine_all_reduces_gradients(tmp_path, one_worker):
     """ORT's gradient buffers, all-reduced in place: 2 workers x B (with 2 micro-batches each)
     equal the PyTorch engine on one worker with 4B."""
@@ -92,6 +95,7 @@ def test_ondevice_engine_all_reduces_gradients(tmp_path, one_worker):
     assert_same(final_weights(two), final_weights(one_worker), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ondevice_engine_federated_averaging(tmp_path, one_worker):
     """Averaging the parameters after every SGD update is the same as all-reducing the gradients;
     averaging every 4th update lets the ranks drift apart in between, and the divergence metric
@@ -108,6 +112,7 @@ def test_ondevice_engine_federated_averaging(tmp_path, one_worker):
     assert all(divergence[s] > 1e-4 for s in (1, 2, 3, 5, 6, 7, 9, 10, 11))
 
 
+@pytest.mark.slow
 def test_a_killed_worker_restarts_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
     """SIGKILL to rank 1 in step 45 (its data set kills the worker process, once): Ray Train
     restarts both workers from the latest checkpoint (step 40), the run finishes, MLflow holds
@@ -185,6 +190,7 @@ def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_a_two_node_cluster_on_loopback_runs_one_worker_per_node(tmp_path):
     """A real cluster: a head and a second node (`ray start`, 1 CPU each, 127.0.0.1 only); the

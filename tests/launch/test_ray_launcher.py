@@ -106,6 +106,17 @@ class TestWhatItAdds:
         for idx in (1, 2, 3):  # job 1 was running beside job 0, jobs 2 and 3 waiting for a CPU
             assert f"#{idx} : +a={idx} CANCELLED (hydra.launcher.fail_fast=true)" in out
 
+    def test_a_job_whose_config_does_not_compose_fails_alone(self, hydra_sweep_runner, tmp_path):
+        """Each job is composed as it is submitted (orchestrate_grid does not compose them all first)."""
+        def task(cfg):
+            (tmp_path / f"{cfg.db.driver}.ran").touch()
+
+        with pytest.raises(TrialError, match=r"^MissingConfigException: .*nope"):
+            with sweep_of(hydra_sweep_runner, tmp_path, task, "hydra/sweeper=orchestrate_grid",
+                          "+db=mysql,nope,postgresql"):
+                pass
+        assert sorted(p.name for p in tmp_path.glob("*.ran")) == ["mysql.ran", "postgresql.ran"]
+
     def test_an_exception_that_cannot_be_unpickled_comes_back_as_its_text(self, hydra_sweep_runner, tmp_path):
         class NeedsTwoArguments(Exception):
             def __init__(self, a, b):  # pickle rebuilds it with one: TypeError on the driver

@@ -1,7 +1,8 @@
 """Sweeps end to end: `python -m orchestrate ... -m` (or `+sweep`) as a subprocess, tracked by the
 sweep callbacks (orchestrate.sweeps) through the MLflow server they start in front of the SQLite
 store; on orchestrate's Ray launcher (the default), Hydra's basic launcher and submitit's local
-launcher. Results are read back with MlflowClient."""
+launcher. Results are read back with MlflowClient. The same small sweep on each launcher is in the
+default tier; failures, resume and concurrency are `slow`."""
 
 import json
 import os
@@ -15,7 +16,6 @@ import pytest
 
 from tests.conftest import ROOT, metric_steps, sweep_runs as runs_of
 
-pytestmark = pytest.mark.slow
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
 SMALL = ["-m", "backend=torch", "optimizer.lr=0.001,0.01", *QUICK]
 LAUNCHERS = ["orchestrate_ray", "basic", "submitit_local"]
@@ -124,6 +124,7 @@ def failed_sweep(tmp_path_factory):
     return cwd, marker, args, sweep(*args, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_a_failing_trial_does_not_stop_the_others(failed_sweep):
     cwd, _, _, done = failed_sweep
     assert done.returncode != 0
@@ -136,6 +137,7 @@ def test_a_failing_trial_does_not_stop_the_others(failed_sweep):
     assert re.search(r"\| \+model.fail_at_call=5 \| FAILED \|.*deliberate failure at call 5", done.stdout)
 
 
+@pytest.mark.slow
 def test_rerunning_the_same_sweep_skips_finished_trials(failed_sweep):
     cwd, marker, args, first = failed_sweep
     _, (parent_before,), children_before = runs_of(cwd)
@@ -153,6 +155,7 @@ def test_rerunning_the_same_sweep_skips_finished_trials(failed_sweep):
     assert "finished in an earlier attempt: skipped" in done.stdout
 
 
+@pytest.mark.slow
 def test_resume_false_starts_a_new_parent(failed_sweep):
     cwd, marker, args, _ = failed_sweep
     marker.unlink(missing_ok=True)  # every trial finishes
@@ -165,6 +168,7 @@ def test_resume_false_starts_a_new_parent(failed_sweep):
     assert sorted(c.info.status for c in mine) == ["FINISHED", "FINISHED"] and "SKIPPED" not in done.stdout
 
 
+@pytest.mark.slow
 def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
     # One trial at a time (2 CPUs each), the failing one first: the rest are cancelled.
     done = sweep("-m", "backend=torch", "model._target_=tests.helpers.FailingMLP",
@@ -181,6 +185,7 @@ def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
 CONCURRENT = 16  # trials at once, each in its own Ray worker process
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_trials_lose_no_metric(tmp_path):
     """16 trials at once write through the sweep's MLflow server into one SQLite store: every
     metric step of every trial arrives exactly once."""
