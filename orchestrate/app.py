@@ -178,6 +178,16 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
+def head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
+    """The backend's head start (`Backend.head_start`: the runner's Ray) around the check of a
+    run's config; a config whose backend does not build gets none (the check says why)."""
+    try:
+        backend = schema.target_of(cfg.backend, "backend")
+    except Exception:
+        return contextlib.nullcontext()
+    return backend.head_start(cfg.backend)
+
+
 def check(cfg: DictConfig, checked: dict | None = None) -> None:
     """Refuse bad input before anything is written or run: build the job once (data, model,
     backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError.

@@ -85,17 +85,20 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
 
 
 def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
-             trial: str = "", compose: app.Composer | None = None, checked: dict | None = None) -> None:
+             trial: str = "", compose: app.Composer | None = None, checked: dict | None = None,
+             head_start: bool = False) -> None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
-    of a sweep); a sweep's trials share a `compose` (app.Composer) and what `checked` keeps."""
+    of a sweep); a sweep's trials share a `compose` (app.Composer) and what `checked` keeps.
+    `head_start`: the run's own command, whose backend may begin what it needs meanwhile."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
-            compose = compose or app.Composer(source, hydra_overrides)
-            app.check(compose(overrides), checked)
+            cfg = (compose or app.Composer(source, hydra_overrides))(overrides)
+            with app.head_start(cfg) if head_start else contextlib.nullcontext():
+                app.check(cfg, checked)
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
@@ -260,7 +263,7 @@ def main() -> None:
             validate_sweep(flags, overrides, source)
         else:
             check_sweep_choice(overrides)
-            validate(overrides, source, hydra_words(flags))
+            validate(overrides, source, hydra_words(flags), head_start=True)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)

@@ -38,6 +38,13 @@ class Backend(ABC):
                               f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
                               "in one process with one batch per step")
 
+    @classmethod
+    def head_start(cls, node: DictConfig) -> contextlib.AbstractContextManager:
+        """Begin, while the command checks the config (`node`: its `backend` group), what
+        `connect` will wait for (the runner: a local Ray instance); stopped again if the body
+        raises (the config was refused). Nothing by default."""
+        return contextlib.nullcontext()
+
     def connect(self, job) -> contextlib.AbstractContextManager:
         """Hold what the run needs outside this process for as long as the run lasts (the runner:
         a Ray cluster that can place its workers), raising ConfigError if it cannot be had.
