@@ -34,9 +34,10 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest --runslow $(ARGS)
 
-# Line coverage of orchestrate/ over the full suite, subprocesses and Ray workers included.
+# Line coverage of orchestrate/ over the full suite, subprocesses and Ray workers included (every
+# process writes its data beside the checkout's .coverage, whatever folder it runs in).
 coverage: setup
-	$(BIN)/python -m pytest --runslow --cov --cov-report=term $(ARGS)
+	COVERAGE_FILE=$(ROOT).coverage $(BIN)/python -m pytest --runslow --cov --cov-report=term $(ARGS)
 
 bench: setup
 	$(BIN)/python $(ROOT)benchmarks/backends.py $(ARGS)
