@@ -146,11 +146,15 @@ class Composer:
         if self.in_full:
             return load_config([*self.hydra_overrides, *overrides], self.source)
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
-        from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
         with _hydra(self.source):
-            repo = GlobalHydra.instance().config_loader().repository
+            config_name = self.source.config_name
+            if HydraConfig.initialized():
+                config_name = HydraConfig.get().job.config_name or config_name
+            # The search path as Hydra builds it for this composition: a primary config of the
+            # user's own may add orchestrate's groups with its `hydra.searchpath`.
+            parsed, repo = GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo(
+                config_name, list(overrides))
             # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's choice,
             # or a value for the config.
             plain = [o for o in parsed if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group)]

@@ -40,6 +40,18 @@ def test_a_trial_composes_to_what_hydra_composes(overrides):
     assert composed(composer, overrides) == composed(app.load_config, overrides)  # the cached base is untouched
 
 
+def test_a_users_primary_config_composes_to_what_hydra_composes(tmp_path):
+    """A primary config of the user's own that adds orchestrate's groups with `hydra.searchpath`
+    (the README's my_project/conf/train.yaml): `backend=...` is a group there too."""
+    (tmp_path / "train.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath: "
+                                         "[pkg://orchestrate.conf]\ntracking:\n  experiment: wine\n")
+    source = app.ConfigSource(config_path=str(tmp_path), config_name="train")
+    for overrides in (["backend=ondevice", "optimizer.lr=0.1"], ["model=cnn", "trainer.max_steps=3"]):
+        assert (composed(app.Composer(source), overrides)
+                == composed(lambda o: app.load_config(o, source), overrides))
+        assert app.Composer(source)(overrides).tracking.experiment == "wine"
+
+
 def test_trials_that_differ_in_values_compose_once():
     composer = app.Composer()
     for lr in (0.1, 0.2, 0.3):
