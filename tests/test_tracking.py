@@ -215,3 +215,25 @@ def test_experiments_orchestrate_creates_are_model_training_experiments(make_cfg
     assert client.get_experiment(genai).tags[EXPERIMENT_KIND] == "genai_development"
     made = training_experiment(client, "a_sweep")
     assert client.get_experiment(made).tags[EXPERIMENT_KIND] == "custom_model_development"
+
+
+def test_a_new_sqlite_store_is_a_copy_of_an_empty_one_made_once(tmp_path, monkeypatch):
+    """The empty store at MLflow's schema is made the first time (in the user's cache folder), then
+    copied: each new store opens at once in MLflow, and is its own file."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrate.tracking import new_sqlite_store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name in ("a", "b"):
+        new_sqlite_store(f"sqlite:///{tmp_path / name}.db")
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / name}.db")
+        training_experiment(client, f"from {name}")
+        assert [e.name for e in client.search_experiments()] == [f"from {name}", "Default"]
+    (template,) = (tmp_path / "cache" / "orchestrate").glob("mlflow-*-empty-store.db")
+    made = template.stat().st_mtime_ns
+    new_sqlite_store(f"sqlite:///{tmp_path / 'c'}.db")
+    assert template.stat().st_mtime_ns == made  # made once
+    new_sqlite_store(f"sqlite:///{tmp_path / 'a'}.db")  # an existing store is left as it is
+    assert [e.name for e in MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'a'}.db").search_experiments()] == [
+        "from a", "Default"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from hydra.core.plugins import Plugins
+from hydra.errors import MissingConfigException
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 
@@ -116,6 +117,19 @@ class TestWhatItAdds:
                           "+db=mysql,nope,postgresql"):
                 pass
         assert sorted(p.name for p in tmp_path.glob("*.ran")) == ["mysql.ran", "postgresql.ran"]
+
+    def test_with_fail_fast_a_job_that_does_not_compose_stops_the_sweep(self, hydra_sweep_runner, tmp_path, capsys):
+        def task(cfg):
+            time.sleep(1)
+            (tmp_path / f"{cfg.db.driver}.ran").touch()
+
+        with pytest.raises(MissingConfigException, match="nope"):
+            with sweep_of(hydra_sweep_runner, tmp_path, task, "hydra/sweeper=orchestrate_grid",
+                          "hydra.launcher.cpus_per_trial=2", "hydra.launcher.fail_fast=true",
+                          "+db=mysql,nope,postgresql"):
+                pass
+        assert not list(tmp_path.glob("postgresql.ran"))  # never submitted
+        assert "#2 : +db=postgresql CANCELLED (hydra.launcher.fail_fast=true)" in capsys.readouterr().out
 
     def test_an_exception_that_cannot_be_unpickled_comes_back_as_its_text(self, hydra_sweep_runner, tmp_path):
         class NeedsTwoArguments(Exception):
