@@ -141,23 +141,27 @@ class Composer:
         self.source, self.hydra_overrides = source, list(hydra_overrides)
         self.in_full = any(o.lstrip("+~").startswith("hydra.searchpath") for o in self.hydra_overrides)
         self.composed: dict[tuple[str, ...], DictConfig] = {}
+        self.repo = None  # Hydra's config repository on the composition's search path, made once
 
     def __call__(self, overrides: list[str]) -> DictConfig:
         if self.in_full:
             return load_config([*self.hydra_overrides, *overrides], self.source)
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        with _hydra(self.source):
-            config_name = self.source.config_name
-            if HydraConfig.initialized():
-                config_name = HydraConfig.get().job.config_name or config_name
-            # The search path as Hydra builds it for this composition: a primary config of the
-            # user's own may add orchestrate's groups with its `hydra.searchpath`.
-            parsed, repo = GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo(
-                config_name, list(overrides))
-            # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's choice,
-            # or a value for the config.
-            plain = [o for o in parsed if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group)]
+        if self.repo is None:
+            with _hydra(self.source):
+                config_name = self.source.config_name
+                if HydraConfig.initialized():
+                    config_name = HydraConfig.get().job.config_name or config_name
+                # The search path as Hydra builds it for a composition, once: a primary config of
+                # the user's own may add orchestrate's groups with its `hydra.searchpath`.
+                _, self.repo = GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo(
+                    config_name, [])
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's choice, or a
+        # value for the config.
+        plain = [o for o in parsed if isinstance(o.value(), dict) or not self.repo.group_exists(o.key_or_group)]
         groups = tuple(o.input_line for o in parsed if o not in plain)
         if groups not in self.composed:
             self.composed[groups] = load_config(list(groups), self.source)
