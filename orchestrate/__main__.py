@@ -3,6 +3,7 @@ the COMMANDS below. Each is imported only when named: `orchestrate server` does 
 """
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -19,5 +20,23 @@ def main() -> None:
     cli.main()
 
 
+def run() -> None:
+    """The program (`orchestrate`, `python -m orchestrate`): `main`, then the exit. A command
+    refused while the Ray it began to start early is still starting (a refused sweep or runner
+    config: orchestrate.ray_cluster.init_in_background) leaves at once with its exit code: waiting
+    for Ray's start to shut it down would cost seconds, and finalizing Python while Ray's C++ core
+    starts on another thread can crash. Ray's processes end with the thread that started them."""
+    try:
+        main()
+    except SystemExit as e:
+        from orchestrate import ray_cluster
+
+        if ray_cluster.starting():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    run()

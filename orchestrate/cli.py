@@ -279,3 +279,8 @@ def main() -> None:
 
             close_open_sweeps()
             headstart.release()  # a server started early that no sweep took (Hydra stopped first)
+        # A Ray started early and never taken (Hydra stopped before the launcher or the run asked
+        # for it) is shut down here, not torn down mid-start when the process exits.
+        from orchestrate import ray_cluster
+
+        ray_cluster.cancel_background_init()

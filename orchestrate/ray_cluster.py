@@ -79,13 +79,15 @@ def _start(address: str | None, key: str, **local_options) -> bool:
 
 
 class _EarlyStart:
-    """`init` on a thread of its own, then `then()` there (e.g. tasks that warm the workers). The
-    thread stays for the life of the process: Ray's processes are started with Linux's
-    parent-death signal, which fires when the *thread* that started them ends."""
+    """`init` on a thread of its own, then `then(stop)` there (e.g. tasks that warm the workers;
+    `stop` is set when the start is cancelled, and `then` should return soon after). The thread
+    stays for the life of the process: Ray's processes are started with Linux's parent-death
+    signal, which fires when the *thread* that started them ends."""
 
-    def __init__(self, address: str | None, key: str, then: Callable[[], None] | None, local_options: dict):
-        self.ready, self.lock = threading.Event(), threading.Lock()
-        self.started, self.error, self.cancelled = False, None, False
+    def __init__(self, address: str | None, key: str, then: Callable[[threading.Event], None] | None,
+                 local_options: dict):
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.started, self.error = False, None
         self.args = (address, key, then, local_options)
         threading.Thread(target=self._run, name="ray-early-start", daemon=True).start()
 
@@ -98,26 +100,15 @@ class _EarlyStart:
             logger.addFilter(_no_early_notes)
         try:
             self.started = _start(address, key, **local_options)
-            if then is not None and not self.cancelled:
-                then()
+            if then is not None and not self.stop.is_set():
+                then(self.stop)
         except BaseException as e:  # handed to whoever waits for the start
             self.error = e
         finally:
             for logger in chatty:
                 logger.removeFilter(_no_early_notes)
-            with self.lock:
-                self.ready.set()
-                if self.cancelled and self.started:
-                    _shutdown()
+            self.ready.set()
         threading.Event().wait()
-
-    def cancel(self) -> None:
-        """Shut down the Ray this start brings up, now or once it is up: nobody waits for it.
-        Should the process end first, Ray's processes end with it (the parent-death signal)."""
-        with self.lock:
-            self.cancelled = True
-            if self.ready.is_set() and self.started:
-                _shutdown()
 
     def result(self) -> bool:
         if not self.ready.wait(EARLY_START_TIMEOUT_S):
@@ -125,6 +116,15 @@ class _EarlyStart:
         if self.error is not None:
             raise self.error
         return self.started
+
+    def cancel(self) -> None:
+        """Shut down the Ray this start brings up: waits for the start to end (Ray torn down while
+        it starts, or a process that exits meanwhile, can crash in Ray's C++ core)."""
+        self.stop.set()
+        if self.ready.wait(EARLY_START_TIMEOUT_S) and self.started:
+            import ray
+
+            ray.shutdown()
 
 
 _EARLY_NOTES = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
@@ -135,29 +135,37 @@ def _no_early_notes(record: logging.LogRecord) -> bool:
     return not message.startswith(("SIGTERM handler is not set", "Token authentication is enabled"))
 
 
-def _shutdown() -> None:
-    import ray
-
-    ray.shutdown()
-
-
-def init_in_background(address: str | None, key: str, then: Callable[[], None] | None = None,
+def init_in_background(address: str | None, key: str, then: Callable[[threading.Event], None] | None = None,
                        **local_options) -> None:
-    """Begin `init(address, key, **local_options)` now, on another thread, and run `then()` once
-    Ray is up; the next `init` call in this process waits for it instead of starting Ray again.
-    A sweep starts Ray this way while it checks its trials."""
+    """Begin `init(address, key, **local_options)` now, on another thread, and run `then(stop)`
+    once Ray is up; the next `init` call in this process waits for it (`then` included) instead
+    of starting Ray again. A sweep starts Ray this way while it checks its trials."""
     global _EARLY
     if _EARLY is None:
         _EARLY = _EarlyStart(address, key, then, local_options)
 
 
-def cancel_background_init() -> None:
+def cancel_background_init(wait: bool = True) -> None:
     """A start begun by `init_in_background` and not taken (the sweep was refused): the Ray it
-    brings up is shut down, without waiting for it to come up."""
+    brings up is shut down once it is up (seconds: Ray's own start). `wait=False`: only if it is
+    up already; otherwise it is left to `starting()`'s caller, a process about to exit."""
     global _EARLY
-    early, _EARLY = _EARLY, None
-    if early is not None:
+    early = _EARLY
+    if early is None:
+        return
+    if wait or early.ready.is_set():
+        _EARLY = None
         early.cancel()
+    else:
+        early.stop.set()  # no warm-ups: nobody will take this Ray
+
+
+def starting() -> bool:
+    """Whether a start begun by `init_in_background` is still under way and not taken. A process
+    that exits now must not finalize Python while Ray's C++ core starts on that thread (it can
+    crash): `orchestrate.__main__.run` then leaves with os._exit, and Ray's processes end with
+    the thread that started them."""
+    return _EARLY is not None and not _EARLY.ready.is_set()
 
 
 def can_grow() -> bool:

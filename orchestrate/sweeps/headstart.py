@@ -18,6 +18,8 @@ import atexit
 import contextlib
 import math
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def head_start(cfg: DictConfig, trials: int) -> Iterator[None]:
         from orchestrate import ray_cluster
 
         release()
-        ray_cluster.cancel_background_init()
+        ray_cluster.cancel_background_init(wait=False)  # a refusal need not wait for Ray's start
         for path in made:
             path.unlink(missing_ok=True)
         raise
@@ -105,16 +107,19 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
     except Exception:  # an interpolation only a trial resolves: the trial builds its data itself
         data = None
 
-    def warm() -> None:
+    def warm(stop: threading.Event) -> None:
         import ray
 
         total = ray.cluster_resources().get("CPU", 0)
         slots = min(trials, math.floor(total / cpus) if cpus else os.cpu_count() or 1)
         task = ray.remote(warm_up).options(num_cpus=cpus, max_retries=0, name="warm-up")
         # Waited for (the launcher's `ray_cluster.init` returns after this): trials submitted
-        # while the warm-ups run would make Ray start more workers, each importing everything again.
-        ray.wait([task.remote(WARM_MODULES, data) for _ in range(max(slots, 1))], num_returns=max(slots, 1),
-                 timeout=WARM_UP_TIMEOUT_S)
+        # while the warm-ups run would make Ray start more workers, each importing everything
+        # again. A refused sweep (`stop`) stops waiting at once.
+        warming = [task.remote(WARM_MODULES, data) for _ in range(max(slots, 1))]
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        while warming and not stop.is_set() and time.monotonic() < deadline:
+            _, warming = ray.wait(warming, num_returns=len(warming), timeout=0.2)
 
     ray_cluster.init_in_background(launcher.address, "hydra.launcher.address", then=warm,
                                    num_cpus=launcher.num_cpus)

@@ -164,7 +164,7 @@ class RunnerBackend(Backend):
         try:
             yield
         except BaseException:
-            ray_cluster.cancel_background_init()
+            ray_cluster.cancel_background_init(wait=False)  # a refusal need not wait for Ray's start
             raise
 
     @contextlib.contextmanager
