@@ -9,8 +9,9 @@ import contextlib
 import copy
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
@@ -196,18 +197,26 @@ def head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
     return backend.head_start(cfg.backend)
 
 
-def check(cfg: DictConfig, checked: dict | None = None) -> None:
+@dataclass
+class Checked:
+    """What the checks of many configs (a sweep's trials) share."""
+
+    stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
+    models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
+
+
+def check(cfg: DictConfig, checked: Checked | None = None) -> None:
     """Refuse bad input before anything is written or run: build the job once (data, model,
     backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError.
-    Checks of many configs (a sweep's trials) share `checked`: each tracking URI is asked once,
-    and a model is built and run once per distinct model, data and seed (Job.prepare's `models`)."""
-    checked = {} if checked is None else checked
+    Checks of many configs share `checked`: each tracking URI is asked once, and a model is built
+    and run once per distinct model, data and seed."""
+    checked = checked or Checked()
     uri = cfg.tracking.uri
-    if ("uri", uri) not in checked:  # first: a store that is not there fails in seconds, not minutes
-        checked[("uri", uri)] = reachable(uri)
-    if checked[("uri", uri)]:
-        raise schema.ConfigError(checked[("uri", uri)])
-    Job.prepare(cfg, out_dir="unused", models=checked.setdefault("models", {}))
+    if uri not in checked.stores:  # first: a store that is not there fails in seconds, not minutes
+        checked.stores[uri] = reachable(uri)
+    if checked.stores[uri]:
+        raise schema.ConfigError(checked.stores[uri])
+    Job.prepare(cfg, out_dir="unused", models=checked.models)
     find_resume(cfg)
 
 

@@ -85,7 +85,7 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
 
 
 def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
-             trial: str = "", compose: app.Composer | None = None, checked: dict | None = None,
+             trial: str = "", compose: app.Composer | None = None, checked: app.Checked | None = None,
              head_start: bool = False) -> None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
@@ -96,7 +96,8 @@ def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: li
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
-            cfg = (compose or app.Composer(source, hydra_overrides))(overrides)
+            # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
+            cfg = compose(overrides) if compose else app.load_config([*hydra_overrides, *overrides], source)
             with app.head_start(cfg) if head_start else contextlib.nullcontext():
                 app.check(cfg, checked)
     except schema.ConfigError as e:
@@ -127,7 +128,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
-    compose, checked = app.Composer(source, hydra_overrides), {}
+    compose, checked = app.Composer(source, hydra_overrides), app.Checked()
     with headstart.head_start(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,

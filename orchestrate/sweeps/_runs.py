@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import plots
 from orchestrate.redact import redact_override
-from orchestrate.sweeps import _summary, plan
+from orchestrate.sweeps import _server, _summary, plan
+from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.callbacks import NO_URLS, Handover
 from orchestrate.tracking import absolute_uri, new_sqlite_store, set_env, training_experiment, ui_command
 
@@ -84,7 +85,7 @@ class Sweep:
         self.server = None
         uri = absolute_uri(settings.tracking_uri)
         new_sqlite_store(uri)
-        if uri.startswith("sqlite:") and settings.tracking_server:
+        if own_server(uri, settings.tracking_server):
             if str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
                 # Its trials run on other machines: neither this machine's 127.0.0.1 nor its disk is theirs.
                 raise ValueError(f"tracking.uri={settings.tracking_uri}: hydra/launcher=submitit_slurm runs the "
@@ -92,13 +93,12 @@ class Sweep:
                                  "or the sweep's server on 127.0.0.1; set tracking.uri=http://HOST:PORT "
                                  "(an MLflow server the nodes can reach)")
             from orchestrate.sweeps import headstart
-            from orchestrate.sweeps._server import TrackingServer, prepare_store
 
             began = time.perf_counter()
             self.server = headstart.take_server(uri)  # started by the command line, while it checked the trials
             if self.server is None:
-                prepare_store(uri, settings.experiment)
-                self.server = TrackingServer(uri, Path("mlartifacts").resolve())
+                _server.prepare_store(uri, settings.experiment)
+                self.server = _server.TrackingServer(uri, Path("mlartifacts").resolve())
             log.info(f"MLflow server for the sweep on {self.server.uri} "
                      f"(waited {time.perf_counter() - began:.1f} s for it)")
             uri = self.server.uri

@@ -6,8 +6,14 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from orchestrate.server import MlflowServer, ServerError
+from orchestrate.server import HEALTH_TIMEOUT_S, MlflowServer, ServerError
 from orchestrate.tracking import training_experiment
+
+
+def own_server(uri: str, tracking_server: bool) -> bool:
+    """Whether a sweep that writes to `uri` runs its own server in front of it: a SQLite store,
+    unless `hydra.callbacks.sweep_tracking.tracking_server=false`."""
+    return uri.startswith("sqlite:") and tracking_server
 
 
 def prepare_store(sqlite_uri: str, experiment: str) -> None:
@@ -31,15 +37,14 @@ class TrackingServer(MlflowServer):
 
     def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
-        self.started = self.failed = False
+        self.failed = False
         super().__init__(sqlite_uri, artifact_root, log=self.log, wait=False)
         if wait:
             self.wait_healthy()
 
-    def wait_healthy(self, timeout_s: float | None = None) -> None:
+    def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         try:
-            super().wait_healthy(*([timeout_s] if timeout_s is not None else []))
-            self.started = True
+            super().wait_healthy(timeout_s)
         except ServerError as e:
             self.failed = True
             self.stop()
@@ -52,5 +57,5 @@ class TrackingServer(MlflowServer):
         # or a server that never answered, is the server's own failure: keep its log.
         if not self.failed and self.proc.returncode in (0, -signal.SIGTERM):
             Path(self.log.name).unlink(missing_ok=True)
-        elif self.started:
+        elif self.healthy:
             print(f"the sweep's MLflow server exited with code {self.proc.returncode}; its log: {self.log.name}")

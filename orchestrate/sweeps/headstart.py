@@ -16,8 +16,6 @@ was given, if it made it: a refused command leaves nothing behind.
 
 import atexit
 import contextlib
-import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -61,13 +59,14 @@ def _start_server(cfg: DictConfig) -> list[Path]:
     tracking = OmegaConf.select(cfg, "hydra.callbacks.sweep_tracking")
     if tracking is None or not str(tracking.get("_target_", "")).endswith(".SweepTracking"):
         return []
+    from orchestrate.sweeps._server import TrackingServer, own_server, prepare_store
+    from orchestrate.tracking import new_sqlite_store
+
     uri = absolute_uri(str(tracking.tracking_uri))
-    if not (uri.startswith("sqlite:///") and tracking.get("tracking_server", True)) or uri in _SERVERS:
+    if not own_server(uri, tracking.get("tracking_server", True)) or uri in _SERVERS:
         return []
     if str(cfg.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
         return []  # refused by _runs.Sweep with its own message
-    from orchestrate.sweeps._server import TrackingServer, prepare_store
-    from orchestrate.tracking import new_sqlite_store
 
     path = Path(uri.removeprefix("sqlite:///"))
     made = [] if path.exists() else [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
@@ -101,7 +100,6 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
 
     launcher = cfg.hydra.launcher
     _core.before_ray_import()
-    cpus = float(launcher.cpus_per_trial or 0)
     try:
         data = OmegaConf.to_container(cfg.data, resolve=True)
     except Exception:  # an interpolation only a trial resolves: the trial builds its data itself
@@ -110,13 +108,12 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
     def warm(stop: threading.Event) -> None:
         import ray
 
-        total = ray.cluster_resources().get("CPU", 0)
-        slots = min(trials, math.floor(total / cpus) if cpus else os.cpu_count() or 1)
-        task = ray.remote(warm_up).options(num_cpus=cpus, max_retries=0, name="warm-up")
+        slots = min(trials, _core.slots(launcher))  # as many as the launcher runs at once
+        task = ray.remote(warm_up).options(num_cpus=launcher.cpus_per_trial, max_retries=0, name="warm-up")
         # Waited for (the launcher's `ray_cluster.init` returns after this): trials submitted
         # while the warm-ups run would make Ray start more workers, each importing everything
         # again. A refused sweep (`stop`) stops waiting at once.
-        warming = [task.remote(WARM_MODULES, data) for _ in range(max(slots, 1))]
+        warming = [task.remote(WARM_MODULES, data) for _ in range(slots)]
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while warming and not stop.is_set() and time.monotonic() < deadline:
             _, warming = ray.wait(warming, num_returns=len(warming), timeout=0.2)

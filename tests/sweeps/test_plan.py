@@ -1,11 +1,13 @@
 """A sweep's trials worked out before anything runs (orchestrate.sweeps.plan), and the entry
-point's check of every one of them, whatever the launcher: one message, exit code 2, nothing
-written."""
+point's check of every one of them, whatever the launcher: one message, exit code 2, in seconds,
+nothing written, and nothing the sweep started while it checked (its MLflow server, Ray) left
+running."""
 
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -38,10 +40,15 @@ def test_an_optuna_search_space_is_checked_at_each_choice_and_both_ends_of_each_
     assert len(trials) == 3  # each value in one candidate, not every combination
 
 
-def main(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def main(*args: str, cwd, ray_tmp) -> subprocess.CompletedProcess:
+    """The command in `cwd`; a Ray it starts keeps its session in `ray_tmp`, where it is found."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
     return subprocess.run([sys.executable, "-m", "orchestrate", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def left_running(pattern: str) -> str:
+    return subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -61,8 +68,18 @@ def main(*args: str, cwd) -> subprocess.CompletedProcess:
      r"error: hydra.launcher.cpus_per_trial=64: a trial asks for more CPUs than the local Ray instance has \(\d+\); "
      r"allowed: 0 to \d+, or hydra.launcher.address of a larger cluster"),
 ], ids=["refused value", "bad choice", "optuna choice", "optuna interval", "trial too big"])
-def test_a_bad_trial_stops_the_sweep_before_anything_runs(args, message, tmp_path):
-    done = main(*args, cwd=tmp_path)
+def test_a_bad_trial_stops_the_sweep_before_anything_runs(args, message, tmp_path, tmp_path_factory):
+    ray_tmp = tmp_path_factory.mktemp("ray")
+    began = time.monotonic()
+    done = main(*args, cwd=tmp_path, ray_tmp=ray_tmp)
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.fullmatch(message, done.stderr.strip())
+    assert time.monotonic() - began < 30
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no multirun/ folder
+    # The server and Ray it started beside the check (orchestrate.sweeps.headstart) are gone: Ray's
+    # processes end with the thread that started them, those its raylet started in their own time.
+    pattern = f"{ray_tmp}|mlflow server.*{tmp_path}"
+    deadline = time.monotonic() + 60
+    while left_running(pattern):
+        assert time.monotonic() < deadline, left_running(pattern)
+        time.sleep(0.2)
