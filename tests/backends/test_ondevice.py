@@ -67,3 +67,20 @@ def test_a_language_model_checkpoint_names_the_models_own_parameters(tmp_path):
     (checkpoint,) = (tmp_path / "checkpoints").glob("step_*")
     backend = schema.build(job.cfg.backend, "backend")  # as read later, by another process
     assert sorted(backend.read_checkpoint(checkpoint)) == sorted(n for n, _ in job.model.named_parameters())
+
+
+@pytest.mark.parametrize("dropout, draws", [(True, True), (False, False)])
+def test_the_loop_reseeds_ort_only_for_a_graph_that_draws_random_numbers(dropout, draws, tmp_path):
+    """set_seed before every step keeps dropout's masks the same after a resume; a graph without
+    a random op skips it (2% of a small model's step)."""
+    import torch
+
+    from orchestrate.backends.ondevice import draws_random
+    from orchestrate.tasks.models import MLP
+    from tests.helpers import DropoutMLP
+
+    model = DropoutMLP(8, 3, hidden=[16]) if dropout else MLP(8, 3, hidden=[16])
+    model.train()
+    torch.onnx.export(model, (torch.randn(2, 8),), str(tmp_path / "m.onnx"), do_constant_folding=False,
+                      training=torch.onnx.TrainingMode.TRAINING)
+    assert draws_random(tmp_path / "m.onnx") is draws
