@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "server": "orchestrate.server",  # the team's MLflow server on PostgreSQL, artifacts served
     "doctor": "orchestrate.doctor",  # will this stack work? one line per check
+    "sync": "orchestrate.sync",  # send what a run kept while its MLflow server was away
 }
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, open_dict
 
 from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
+from orchestrate.redact import redact_text
 from orchestrate.resume import close_orphans, config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
 
@@ -267,7 +268,8 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
                        ("step_time_ms", "step time (ms)")]:
         if key in m:
             lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
-    lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}')",
+    lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}' in "
+              f"{redact_text(cfg.tracking.uri)})",
               f"  outputs            {result.out_dir}"]
     # Hydra's job log (hydra.job_logging's file handler): all of the run's logging, ORT's output that
     # the console left out (backend.log_level) included. Only for the Hydra job this run is.

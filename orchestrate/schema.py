@@ -83,8 +83,10 @@ class TrainerConf:
 
 @dataclass
 class TrackingConf:
-    uri: str = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working directory
-    experiment: str = "orchestrate"
+    # MLflow's own variables, when set, as MLflow's client and Lightning's MLFlowLogger read them;
+    # else the embedded default, a SQLite store in the working directory. An override wins.
+    uri: str = "${oc.env:MLFLOW_TRACKING_URI,'sqlite:///mlflow.db'}"
+    experiment: str = "${oc.env:MLFLOW_EXPERIMENT_NAME,orchestrate}"
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact
     tags: dict[str, str] = field(default_factory=dict)

@@ -226,6 +226,8 @@ class Tracker(RunLogger):
             mlflow.set_experiment(cfg.tracking.experiment)
             run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags)
         super().__init__(uri, run.info.run_id, out_dir)
+        if resume_run_id:
+            self._send_unsent(Path(run.data.tags.get("out_dir", out_dir)) / UNSENT_FILE)
         if resume_run_id or given:  # an existing run: its tags now, in one request
             from mlflow.entities import RunTag
 
@@ -239,6 +241,19 @@ class Tracker(RunLogger):
             (Path(tmp) / "config.yaml").write_text(redacted_yaml(cfg))
             (Path(tmp) / "requirements-freeze.txt").write_text(installed_packages())
             self.log_artifacts(Path(tmp))
+
+    def _send_unsent(self, path: Path) -> None:
+        """What the run's earlier attempt kept while its server was away (`orchestrate sync`'s
+        work), before this attempt logs: its steps then count as logged."""
+        if not path.is_file():
+            return
+        from orchestrate.sync import send_unsent
+
+        try:
+            print(f"sent {send_unsent(self.client, path)} item(s) that the run's last attempt could not ({path})",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - the file stays: `orchestrate sync` can send it later
+            log.warning(f"{path} was not sent ({cause(e)}): `orchestrate sync {path.parent}` sends it later")
 
     def __enter__(self) -> "Tracker":
         return self

@@ -237,3 +237,91 @@ def test_a_new_sqlite_store_is_a_copy_of_an_empty_one_made_once(tmp_path, monkey
     new_sqlite_store(f"sqlite:///{tmp_path / 'a'}.db")  # an existing store is left as it is
     assert [e.name for e in MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'a'}.db").search_experiments()] == [
         "from a", "Default"]
+
+
+def test_mlflow_s_own_variables_are_the_defaults_and_an_override_wins(tmp_path, monkeypatch, capsys):
+    """MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME, as MLflow's client and Lightning's
+    MLFlowLogger read them; `tracking.uri=` on the command line (or tracking=server) still wins,
+    and the run's summary says where it logged."""
+    env_uri = f"sqlite:///{tmp_path}/env.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    cfg = app.load_config(["backend=torch", "data=synthetic", "trainer=quick", "trainer.checkpoint_period=0"])
+    assert (cfg.tracking.uri, cfg.tracking.experiment) == (env_uri, "from-env")
+    result = app.train(cfg, tmp_path / "out")
+    run = client_for(env_uri).get_run(result.run_id)
+    assert client_for(env_uri).get_experiment(run.info.experiment_id).name == "from-env"
+    assert f"(experiment 'from-env' in {env_uri})" in capsys.readouterr().out
+    assert app.load_config(["tracking.uri=sqlite:///other.db"]).tracking.uri == "sqlite:///other.db"
+    assert app.load_config(["tracking=server"]).tracking.uri == "http://127.0.0.1:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    assert (app.load_config([]).tracking.uri, app.load_config([]).tracking.experiment) == (
+        "sqlite:///mlflow.db", "orchestrate")
+
+
+def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_run_once(tmp_path, capsys):
+    """The server goes away before the run's end and is still away when the run ends (the kept
+    points go to mlflow_unsent.jsonl); it comes back; `orchestrate sync RUN_FOLDER` logs them into
+    the same run, each point once, and a second sync sends nothing."""
+    from orchestrate import sync
+    from orchestrate.server import MlflowServer
+
+    store, artifacts = f"sqlite:///{tmp_path}/server.db", tmp_path / "artifacts"
+    with open(tmp_path / "server.log", "w") as log:
+        server = MlflowServer(store, artifacts, log=log)
+        client = client_for(server.uri)
+        run_id = client.create_run(client.create_experiment("sync")).info.run_id
+        server.stop()
+        logger = RunLogger(server.uri, run_id, tmp_path / "out")
+        for step in range(1, 21):
+            logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+        logger.set_tags({"after": "outage"})
+        assert not logger.close(wait_s=2)
+        assert (tmp_path / "out" / UNSENT_FILE).is_file()
+
+        assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 1  # still away: kept
+        assert "did not take it" in capsys.readouterr().err and (tmp_path / "out" / UNSENT_FILE).is_file()
+
+        server = MlflowServer(store, artifacts, port=server.port, log=log)
+        try:
+            assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
+            assert "sent 21 item(s)" in capsys.readouterr().out
+            assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
+            assert "nothing to send (sent already)" in capsys.readouterr().out
+            history = client_for(server.uri).get_metric_history(run_id, "train/loss")
+            assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 21)]
+            assert client_for(server.uri).get_run(run_id).data.tags["after"] == "outage"
+        finally:
+            server.stop()
+
+
+def test_sync_refuses_what_it_cannot_place_with_one_line(tmp_path, capsys, monkeypatch):
+    from orchestrate import sync
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert sync.main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nowhere'}: no such folder"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / UNSENT_FILE).write_text("{}\n")
+    assert sync.main([str(tmp_path / "run")]) == 2
+    assert "Give --tracking-uri" in capsys.readouterr().err
+
+
+def test_a_resumed_run_first_sends_what_its_last_attempt_kept(make_cfg, tmp_path):
+    """trainer.resume's reopened run takes its earlier attempt's mlflow_unsent.jsonl (found through
+    the run's out_dir tag) before it logs: those steps then count as logged, once."""
+    from tests.helpers import free_port
+
+    cfg = make_cfg("backend=torch")
+    with Tracker(cfg, run_name="first", tags={}, out_dir=tmp_path / "first") as first:
+        pass
+    # The first attempt's server went away for good: what it kept went to its folder's file.
+    kept = RunLogger(f"http://127.0.0.1:{free_port()}", first.run_id, tmp_path / "first")
+    for step in range(1, 6):
+        kept.log_metrics({"train/loss": 1.0 / step}, step=step)
+    assert not kept.close(wait_s=0)
+    with Tracker(cfg, run_name="first", tags={}, out_dir=tmp_path / "second", resume_run_id=first.run_id) as again:
+        assert again.logged_history()["train/loss"] == [(s, 1.0 / s) for s in range(1, 6)]
+    assert not (tmp_path / "first" / UNSENT_FILE).exists()
+    assert (tmp_path / "first" / f"{UNSENT_FILE}.sent").is_file()

@@ -1,0 +1,107 @@
+"""`orchestrate sync RUN_FOLDER...`: send what a run could not, into the same MLflow run, once.
+
+A run whose MLflow server was away at its end wrote what it kept (metrics with the step and time
+they were logged at, tags, files to upload) to `mlflow_unsent.jsonl` in its output folder
+(orchestrate.outbox). Once the server answers again:
+
+    orchestrate sync outputs/2026-11-27/10-00-00-000000            # the run folder(s)
+    orchestrate sync --tracking-uri http://127.0.0.1:5000 RUN_FOLDER
+
+The store is `--tracking-uri`, else MLFLOW_TRACKING_URI, else the `tracking.uri` of the folder's
+own config (`.hydra/config.yaml`, when it is not hidden there). Everything sent, the file becomes
+`mlflow_unsent.jsonl.sent`: a second sync sends nothing. A sync cut short sends it all again next
+time, which stores nothing twice: a metric point is the same row (key, value, step and time), a tag
+the same value, an upload the same file. `trainer.resume=auto` does the same for the run it
+continues before training on. Exit code 0 when every folder was sent (or had nothing to send), 1
+when the server did not take it all, 2 for bad arguments.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from orchestrate.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, upload
+from orchestrate.redact import HIDDEN, redact_text
+
+SENT_SUFFIX = ".sent"
+
+
+def send_unsent(client, path: Path) -> int:
+    """Send the rows of an unsent file (`path`) through `client`, batch by batch, then rename it
+    `*.sent`; returns how many items went out. Any error of the client propagates: the file stays."""
+    from mlflow.entities import Metric, RunTag
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_run: dict[str, list] = {}
+    for row in rows:
+        if "metric" in row:
+            item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
+        elif "tag" in row:
+            item = RunTag(row["tag"], row["value"])
+        else:
+            item = Artifact(row["artifact"], row.get("artifact_path"))
+        by_run.setdefault(row["run_id"], []).append(item)
+    for run_id, items in by_run.items():
+        metrics = [i for i in items if isinstance(i, Metric)]
+        tags = [i for i in items if isinstance(i, RunTag)]
+        for start in range(0, len(metrics), MAX_METRICS):
+            client.log_batch(run_id, metrics=metrics[start:start + MAX_METRICS], synchronous=True)
+        for start in range(0, len(tags), MAX_TAGS):
+            client.log_batch(run_id, tags=tags[start:start + MAX_TAGS], synchronous=True)
+        for artifact in (i for i in items if isinstance(i, Artifact)):
+            upload(client, run_id, artifact)
+    path.rename(path.with_name(path.name + SENT_SUFFIX))
+    return len(rows)
+
+
+def folder_uri(folder: Path) -> str | None:
+    """The tracking URI of the run folder's own config, unless a password in it was hidden."""
+    config = folder / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    uri = OmegaConf.select(OmegaConf.load(config), "tracking.uri", default=None)
+    return uri if isinstance(uri, str) and HIDDEN not in uri and "${" not in uri else None
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate sync", description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path, metavar="RUN_FOLDER")
+    parser.add_argument("--tracking-uri", help="the MLflow store the runs log to (default: MLFLOW_TRACKING_URI, "
+                                               "else the tracking.uri in the folder's .hydra/config.yaml)")
+    args = parser.parse_args(argv)
+    from mlflow.tracking import MlflowClient
+
+    from orchestrate.tracking import quick_http, set_env
+
+    failed = False
+    env_before = quick_http()  # a server still away answers within seconds, not minutes
+    try:
+        for folder in args.folders:
+            path = folder / UNSENT_FILE
+            if not folder.is_dir():
+                print(f"error: {folder}: no such folder", file=sys.stderr)
+                return 2
+            if not path.is_file():
+                done = path.with_name(path.name + SENT_SUFFIX).is_file()
+                print(f"{folder}: nothing to send" + (" (sent already)" if done else ""), flush=True)
+                continue
+            uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or folder_uri(folder)
+            if not uri:
+                print(f"error: {folder}: which MLflow store? Give --tracking-uri (or set MLFLOW_TRACKING_URI)",
+                      file=sys.stderr)
+                return 2
+            try:
+                sent = send_unsent(MlflowClient(tracking_uri=uri), path)
+            except Exception as e:  # noqa: BLE001 - one line per folder, the file stays for next time
+                print(f"error: {folder}: MLflow at {redact_text(uri)} did not take it ({cause(e)}); "
+                      f"{path} is kept: run this again later", file=sys.stderr)
+                failed = True
+                continue
+            print(f"{folder}: sent {sent} item(s) to {redact_text(uri)}", flush=True)
+    finally:
+        set_env(env_before)
+    return 1 if failed else 0
