@@ -21,6 +21,7 @@ from omegaconf import DictConfig, open_dict
 
 from orchestrate import checkpoints, plots, process, schema
 from orchestrate.job import Job
+from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
 from orchestrate.resume import close_orphans, config_key, find_resume
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
@@ -288,6 +289,15 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     print("\n".join(lines), flush=True)
 
 
+def diverged_message(e: Diverged, folder: Path) -> str:
+    """One line: the step, the run FAILED, the checkpoint kept from before it, what to do next."""
+    kept = checkpoints.latest(folder)
+    return (f"{e}; the MLflow run is marked FAILED. "
+            + (f"The last checkpoint before it, {kept}, is kept: " if kept else "No checkpoint was written before it: ")
+            + "lower optimizer.lr and run again (a new run), or keep the updates of finite steps only with "
+              "trainer.on_nonfinite=skip")
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     """One job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
@@ -308,6 +318,11 @@ def hydra_main(cfg: DictConfig) -> float | None:
         if hydra_cfg.mode != RunMode.RUN:
             raise
         print(f"error: {e}; the MLflow run is marked FAILED", file=sys.stderr)
+        sys.exit(1)
+    except Diverged as e:
+        if hydra_cfg.mode != RunMode.RUN:
+            raise
+        print(f"error: {diverged_message(e, Path(hydra_cfg.runtime.output_dir) / 'checkpoints')}", file=sys.stderr)
         sys.exit(1)
     except process.Stopped as e:
         if hydra_cfg.mode != RunMode.RUN:

@@ -81,9 +81,15 @@ class Checkpoints:
 
 
     def _not_written(self, step: int, suffix: str, error: Exception) -> str:
-        kept = sorted(self.folder.glob(f"step_*{suffix}"))
+        kept = latest(self.folder)
         return (f"checkpoint step {step} not written to {self.folder}: {write_cause(error, self.folder)}; "
-                f"{f'the last finished one, {kept[-1].name}, is kept' if kept else 'no earlier checkpoint there'}")
+                f"{f'the last finished one, {kept.name}, is kept' if kept else 'no earlier checkpoint there'}")
+
+
+def latest(folder: Path) -> Path | None:
+    """The newest finished checkpoint in `folder` (a file being written is named .tmp_*), if any."""
+    kept = sorted(Path(folder).glob("step_*"))
+    return kept[-1] if kept else None
 
 
 def write_cause(error: BaseException, folder: Path) -> str:

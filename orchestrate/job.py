@@ -168,7 +168,7 @@ class Job:
         t = self.trainer
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
-                           paused=lambda: self.checkpoints.seconds)
+                           paused=lambda: self.checkpoints.seconds, agree=self.parallel.agree)
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""

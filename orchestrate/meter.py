@@ -8,6 +8,7 @@ TensorBoard. Every backend's loop reports through it, so every backend logs the 
 """
 
 import bisect
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,17 +17,29 @@ from typing import Any
 
 from tqdm import tqdm
 
-from orchestrate.schema import TrainerConf
+from orchestrate.schema import NonFinite, TrainerConf
+
+
+class Diverged(RuntimeError):
+    """The loss (or the gradient norm) became nan or inf with trainer.on_nonfinite=stop. Its text
+    is what the MLflow run's `error` tag says: `loss became nan at step 12`."""
+
+    def __init__(self, what: str, value: float | str, step: int):
+        super().__init__(f"{what} became {value} at step {step}")
+        self.what, self.value, self.step = what, value, step
 
 
 class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
-                 tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0):
+                 tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
+                 agree: Callable[[bool], bool] = lambda ok: ok):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
         self.tracker = tracker  # orchestrate.tracking.RunLogger, or None (not tracked, or not rank 0)
         self.logging = logging  # False on the runner's other workers: no bar, no evaluation
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
+        self.agree = agree  # the runner's workers: true on every rank (a collective), else the flag itself
+        self.skipped = 0  # updates dropped for a nan or inf loss (trainer.on_nonfinite=skip)
         self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.final: dict[str, float] = {}
@@ -37,7 +50,7 @@ class Meter:
     def steps(self, start: int = 1) -> Iterator[int]:
         """Yield 1-based step numbers with a progress bar; time the steps between displays."""
         t = self.trainer
-        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_loss, self._window_losses, self._window_steps, self._excluded = 0.0, 0, 0, 0.0
         self._window_start = self._run_start = time.perf_counter()
         self._paused_at_start = self.paused()
         self._bar = tqdm(total=t.max_steps, initial=start - 1, disable=not (t.progress and self.logging),
@@ -53,15 +66,36 @@ class Meter:
     def displaying(self, step: int) -> bool:
         return self.trainer.due(step, self.trainer.display_loss_steps)
 
+    def finite(self, step: int, loss: float, grad_norm: float | None = None) -> bool:
+        """Before the update, on every rank: True to apply it. A nan or inf loss (or gradient norm,
+        where the loop computed one) raises Diverged (trainer.on_nonfinite=stop) before the
+        weights change, or drops this update (skip, counted in train/skipped_steps). On the
+        runner every rank takes the same decision (one all-reduce of a flag)."""
+        if self.agree(math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+            return True
+        if self.trainer.on_nonfinite == NonFinite.stop:
+            if not math.isfinite(loss):
+                raise Diverged("loss", loss, step)
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                raise Diverged("gradient norm", grad_norm, step)
+            raise Diverged("loss", "nan or inf on another worker", step)  # this rank's numbers are fine
+        self.skipped += 1
+        self.final["skipped_steps"] = self.skipped
+        self.log({"train/skipped_steps": self.skipped}, step)
+        return False
+
     def record(self, step: int, loss: float) -> None:
-        """Call after every step with its loss; logs at every `display_loss_steps`."""
-        self._window_loss += loss
+        """Call after every step with its loss; logs at every `display_loss_steps`. A skipped
+        step's nan or inf loss counts for the throughput, not for the mean loss."""
+        if math.isfinite(loss):
+            self._window_loss += loss
+            self._window_losses += 1
         self._window_steps += 1
         if not self.displaying(step):
             return
         now, paused = time.perf_counter(), self.paused()
         seconds = now - self._window_start - self._excluded - (paused - self._paused_at_start)
-        mean_loss = self._window_loss / self._window_steps
+        mean_loss = self._window_loss / self._window_losses if self._window_losses else math.nan
         metrics = {
             "train/loss": mean_loss,
             "perf/samples_per_sec": self._window_steps * self.samples_per_step / seconds,
@@ -77,7 +111,7 @@ class Meter:
         self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
         if self.on_display is not None:
             self.on_display(step, metrics)
-        self._window_loss, self._window_steps, self._excluded = 0.0, 0, 0.0
+        self._window_loss, self._window_losses, self._window_steps, self._excluded = 0.0, 0, 0, 0.0
         self._window_start, self._paused_at_start = time.perf_counter(), self.paused()
 
     def evaluate(self, step: int, run_eval: Callable[[], tuple[float, float | None]]) -> None:

@@ -42,6 +42,11 @@ class Precision(str, enum.Enum):
     fp16 = "fp16"  # CUDA only
 
 
+class NonFinite(str, enum.Enum):
+    stop = "stop"  # the run stops at that step, FAILED, its last finite checkpoint kept
+    skip = "skip"  # that step's update is dropped (as fp16's loss scaler does), counted in train/skipped_steps
+
+
 @dataclass
 class TrainerConf:
     max_steps: int = 300  # optimizer updates to run
@@ -56,6 +61,7 @@ class TrainerConf:
     warmup_steps: int = 0
     device: Device = Device.cpu
     precision: Precision = Precision.fp32
+    on_nonfinite: NonFinite = NonFinite.stop  # a nan or inf loss (or gradient norm, at display steps)
     progress: bool = True  # progress bar on the console
     num_workers: int = 1  # data-parallel workers (backend=runner)
     gradient_accumulation_steps: int = 1  # micro-batches per weight update (backend=runner)

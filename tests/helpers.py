@@ -76,6 +76,22 @@ class DropoutMLP(MLP):
         self.net.insert(len(self.net) - 1, torch.nn.Dropout(p))
 
 
+class NanFrom(Synthetic):
+    """The synthetic task whose training batches from global position `start` on are nan (on the
+    runner: rank 0's share only, the other ranks' stay finite), so a run diverges at step
+    `start` + 1 on every backend, whatever its optimizer."""
+
+    def __init__(self, start: int, **kwargs):
+        super().__init__(**kwargs)
+        self.start = start
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        x, y = super().train_batch(position, batch_size, seed, rank, world_size)
+        if position >= self.start and rank == 0:
+            x = torch.full_like(x, float("nan"))
+        return x, y
+
+
 # ---- a real multi-node Ray cluster on this machine ---------------------------------------------
 # `ray start` swaps 127.0.0.1 for the machine's network address, and refuses to add a node when
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the setting that keeps a head on loopback). The extra

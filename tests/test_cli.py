@@ -4,6 +4,7 @@ plain message, exit code 2, before anything is written."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,20 @@ def test_a_missing_config_folder_is_named(tmp_path, monkeypatch, capsys):
         main()
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: --config-dir my_conf: no such folder ({tmp_path}/my_conf)"
+
+
+def test_a_diverging_run_is_one_line_exit_1_naming_the_step_and_the_checkpoint_kept(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "backend=torch", "data=synthetic", "trainer=quick",
+                                      "data._target_=tests.helpers.NanFrom", "+data.start=6", "trainer.max_steps=10",
+                                      "trainer.checkpoint_period=3", "trainer.progress=false", "hydra.run.dir=out"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 1
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.splitlines() if line.startswith("error")]  # MLflow's own INFO lines aside
+    assert "Traceback" not in stderr
+    assert len(err) == 1 and err[0].startswith("error: loss became nan at step 7; the MLflow run is marked FAILED. "
+                                               "The last checkpoint before it, "), err
+    assert str(Path("out") / "checkpoints" / "step_0000006.pt") in err[0]
+    assert "trainer.on_nonfinite=skip" in err[0]

@@ -42,3 +42,29 @@ def test_other_workers_do_not_evaluate(tmp_path):
     for step in meter.steps():
         meter.evaluate(step, lambda: pytest.fail("rank 1 evaluated"))
     assert "eval/loss" not in meter.history
+
+
+def test_a_non_finite_loss_or_gradient_norm_stops_the_run_naming_what_and_where(tmp_path):
+    from orchestrate.meter import Diverged
+
+    meter = make_meter(tmp_path, max_steps=10)
+    assert meter.finite(1, 0.5) and meter.finite(2, 0.5, grad_norm=3.0)
+    with pytest.raises(Diverged, match="^loss became inf at step 3$"):
+        meter.finite(3, float("inf"))
+    with pytest.raises(Diverged, match="^gradient norm became nan at step 4$"):
+        meter.finite(4, 0.5, grad_norm=float("nan"))
+    # The runner: this rank's numbers are fine, another worker's are not; every rank stops alike.
+    meter.agree = lambda ok: False
+    with pytest.raises(Diverged, match="^loss became nan or inf on another worker at step 5$"):
+        meter.finite(5, 0.5)
+
+
+def test_skipped_steps_are_counted_and_left_out_of_the_mean_loss(tmp_path):
+    meter = make_meter(tmp_path, max_steps=4, display_loss_steps=4, on_nonfinite="skip")
+    for step in meter.steps():
+        loss = float("nan") if step in (2, 3) else float(step)
+        meter.finite(step, loss)
+        meter.record(step, loss)
+    assert meter.history["train/skipped_steps"] == [(2, 1), (3, 2)]
+    assert meter.history["train/loss"] == [(4, 2.5)]  # steps 1 and 4
+    assert meter.summary()["skipped_steps"] == 2

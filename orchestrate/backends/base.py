@@ -137,3 +137,7 @@ class Parallel:
     def replica_metrics(self, params: Iterable[torch.Tensor]) -> dict[str, float]:
         """At display steps: how far apart the workers' parameters are (nothing to compare alone)."""
         return {}
+
+    def agree(self, flag: bool) -> bool:
+        """True when `flag` is true on every worker: alone, the flag itself."""
+        return flag

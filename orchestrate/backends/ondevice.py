@@ -357,8 +357,11 @@ class OnDeviceBackend(Backend):
                 x, y = job.train_batch(step, micro)
                 loss, _ = module(x.numpy(), y.numpy())
                 loss_sum += float(loss)
-            sync.before_update(step, state)  # all-reduce the gradients across workers
-            optimizer.step()
+            grad_norm = sync.before_update(step, state)  # all-reduce the gradients across workers
+            # A nan or inf loss stops the run here, before the weights change (or, with
+            # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
+            if meter.finite(step, loss_sum / K, grad_norm):
+                optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             elif t.lr_schedule != LRSchedule.constant:
@@ -435,15 +438,18 @@ class GradientSync:
         self.job, self.parallel, self.every = job, job.parallel, job.parallel.average_every
         self.K, self.world = job.trainer.gradient_accumulation_steps, job.parallel.world_size
 
-    def before_update(self, step: int, state) -> None:
+    def before_update(self, step: int, state) -> float | None:
+        """All-reduce (or average over micro-batches) the gradients; at display steps log their
+        norm and return it (None elsewhere)."""
         display = self.job.meter.displaying(step)
         reduce = self.world > 1 and not self.every  # ModelUpdateStep's AllReduce; averaging has none
         if not (reduce or self.K > 1 or display):
-            return  # nothing to do to the gradients this step
+            return None  # nothing to do to the gradients this step
         grads = [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]
         if not (reduce or self.K > 1):  # the norm alone: numpy's dot per buffer, 5x cheaper than a copy
-            self.job.meter.log({"train/grad_norm": math.sqrt(sum(float(np.vdot(g, g)) for g in grads))}, step)
-            return
+            norm = math.sqrt(sum(float(np.vdot(g, g)) for g in grads))
+            self.job.meter.log({"train/grad_norm": norm}, step)
+            return norm
         flat = torch.cat([g.reshape(-1) for g in grads])
         if reduce:
             self.parallel.all_reduce_(flat)
@@ -454,7 +460,10 @@ class GradientSync:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         if display:
-            self.job.meter.log({"train/grad_norm": flat.norm().item()}, step)
+            norm = flat.norm().item()
+            self.job.meter.log({"train/grad_norm": norm}, step)
+            return norm
+        return None
 
     def after_update(self, step: int, module) -> None:
         from onnxruntime import OrtValue

@@ -81,12 +81,18 @@ class TorchBackend(Backend):
                         loss = loss / K
                     scaler.scale(loss).backward()
                 loss_sum += loss.item()
-            display = meter.displaying(step)
+            display, grad_norm = meter.displaying(step), None
             if display:
                 scaler.unscale_(optimizer)  # the norms of the true gradients (a no-op in fp32)
-                meter.log(norms(model, scaler if fp16 else None), step)
-            scaler.step(optimizer)
-            scaler.update()
+                found = norms(model, scaler if fp16 else None)
+                meter.log(found, step)
+                if not fp16:  # in fp16 an overflowing gradient is the loss scaler's to skip
+                    grad_norm = found.get("train/grad_norm")
+            # A nan or inf loss stops the run here, before the weights change (or, with
+            # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
+            if meter.finite(step, loss_sum, grad_norm):
+                scaler.step(optimizer)
+                scaler.update()
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import ort, process, ray_cluster, schema
 from orchestrate.backends.base import Backend, backend_config, backends
+from orchestrate.meter import Diverged
 from orchestrate.schema import ConfigError, Device
 from orchestrate.tracking import absolute_uri
 
@@ -239,6 +240,8 @@ class RunnerBackend(Backend):
             summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
         job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
         job.meter.final.update(summary["final"])
+        if summary.get("diverged"):  # the workers stopped together, without a failure for Ray to retry
+            raise Diverged(*summary["diverged"])
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         return self.engine_backend().read_checkpoint(path)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.backends.runner.sync import Workers
+from orchestrate.meter import Diverged
 
 SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last report
 WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output folder (as Hydra's job log)
@@ -64,7 +65,11 @@ def worker_loop(config: dict) -> None:
     if rank == 0:
         job.meter.log({"world_size": world, "effective_batch_size": job.meter.samples_per_step}, step=0)
 
-    engine.fit(job)
+    diverged = None
+    try:
+        engine.fit(job)
+    except Diverged as e:  # every rank at the same step (the meter agreed on it): the driver says so
+        diverged = [e.what, e.value, e.step]
 
     summary = job.meter.summary()
     if rank == 0 and job.meter.tracker:
@@ -76,7 +81,8 @@ def worker_loop(config: dict) -> None:
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = None
         if rank == 0:
-            (Path(folder) / SUMMARY_FILE).write_text(json.dumps({"history": job.meter.history, "final": summary}))
+            (Path(folder) / SUMMARY_FILE).write_text(json.dumps({"history": job.meter.history, "final": summary,
+                                                                 "diverged": diverged}))
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report({"step": job.trainer.max_steps, "done": True}, checkpoint=checkpoint)
 
