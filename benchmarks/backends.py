@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from orchestrate import app
+from orchestrate.config import load_config
 
 BACKENDS = ["torch", "ortmodule", "ondevice"]
 TARGETS = {"ondevice": 1.5, "ortmodule": 0.9}  # the speed the defaults must reach, relative to torch
@@ -41,7 +42,7 @@ def main() -> None:
                              "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
                              "trainer.display_loss_steps=100", f"tracking.uri=sqlite:///{tmp}/bench.db",
                              "tracking.experiment=benchmark", "tracking.log_checkpoints=false", *args.overrides]
-                cfg = app.load_config(overrides)
+                cfg = load_config(overrides)
                 assert torch.get_num_threads() == threads, "an earlier run left its thread count behind"
                 results[backend].append(app.train(cfg, Path(tmp) / f"{backend}-{rep}").metrics)
 

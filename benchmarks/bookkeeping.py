@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from orchestrate import app, losses, ort, process
+from orchestrate.config import load_config
 from orchestrate.job import Job, seed_everything
 
 BACKENDS = ["torch", "ortmodule", "ondevice"]
@@ -46,7 +47,7 @@ TARGET = 0.95  # orchestrate's samples/s over the hand-written loop's
 
 
 def config(backend: str, steps: int, tmp: str, overrides: list[str]):
-    return app.load_config([f"backend={backend}", f"trainer.max_steps={steps}", "trainer.progress=false",
+    return load_config([f"backend={backend}", f"trainer.max_steps={steps}", "trainer.progress=false",
                             "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
                             f"tracking.uri=sqlite:///{tmp}/bench.db", "tracking.experiment=bookkeeping",
                             "tracking.log_checkpoints=false", *overrides])

@@ -28,8 +28,9 @@ from pathlib import Path
 
 def runner(engine: str, workers: int, steps: int, batch: int, tmp: str, display: int = 50) -> dict:
     from orchestrate import app
+    from orchestrate.config import load_config
 
-    cfg = app.load_config(["backend=runner", f"backend.engine={engine}", f"trainer.num_workers={workers}",
+    cfg = load_config(["backend=runner", f"backend.engine={engine}", f"trainer.num_workers={workers}",
                            f"trainer.max_steps={steps}", "trainer.progress=false", "trainer.evaluation_period=0",
                            "trainer.checkpoint_period=0", f"trainer.display_loss_steps={display}",
                            f"tracking.uri=sqlite:///{tmp}/bench.db", "tracking.experiment=runner-benchmark",
@@ -99,11 +100,12 @@ def _hand_worker(rank: int, world: int, port: int, engine: str, steps: int, batc
     if engine == "ortmodule":
         from types import SimpleNamespace
 
-        from orchestrate import app, schema
+        from orchestrate import schema
+        from orchestrate.config import load_config
 
         # The backend as conf/backend/ortmodule.yaml builds it, with one thread; wrap() reads only
         # the job's output folder (for ORTModule's debug graphs).
-        backend = schema.build(app.load_config(["backend=ortmodule", "backend.intra_op_threads=1"]).backend, "backend")
+        backend = schema.build(load_config(["backend=ortmodule", "backend.intra_op_threads=1"]).backend, "backend")
         model = backend.wrap(model, SimpleNamespace(out_dir=Path(tempfile.mkdtemp())))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

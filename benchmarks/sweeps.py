@@ -81,10 +81,11 @@ def first_step(folder: Path, began: float) -> dict[str, float]:
 
 def validate_seconds(values: list[str]) -> float:
     """In this process: `cli.validate_sweep` for a sweep over `values` of optimizer.lr."""
-    from orchestrate import app, cli
+    from orchestrate import cli
+    from orchestrate.config import ORCHESTRATE
 
     began = time.perf_counter()
-    cli.validate_sweep(["-m"], [f"optimizer.lr={','.join(values)}", *COMMON], app.ORCHESTRATE)
+    cli.validate_sweep(["-m"], [f"optimizer.lr={','.join(values)}", *COMMON], ORCHESTRATE)
     return time.perf_counter() - began
 
 

@@ -12,14 +12,17 @@ import contextlib
 import io
 import os
 import sys
+import traceback
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from hydra.types import RunMode
 
-from orchestrate import app, schema
+from orchestrate import app, errors, schema
+from orchestrate.config import Composer, ConfigSource, group_options, load_config, ORCHESTRATE
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -32,7 +35,7 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
         if arg.startswith("-"):
             flags.append(arg)
             if arg in ("--cfg", "-c", "--package", "-p", "--info", "--experimental-rerun",
-                       *app.ConfigSource.FLAGS) and "=" not in arg:
+                       *ConfigSource.FLAGS) and "=" not in arg:
                 nxt = next(it, None)
                 if nxt is not None:
                     flags.append(nxt)
@@ -43,11 +46,18 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> str:
+def explain(e: Exception, overrides: list[str], source: ConfigSource = ORCHESTRATE) -> str:
     """One plain sentence for Hydra's and OmegaConf's composition errors."""
     cause = e
     while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
         cause = cause.__cause__
+    if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:
+        # A YAML file of the user's own (--config-dir, --config-path): where, and PyYAML's words.
+        mark = cause.problem_mark
+        said = "; ".join(str(p) for p in (cause.context, cause.problem) if p)
+        return f"{shown_path(mark.name)}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({said})"
+    if isinstance(cause, yaml.YAMLError):
+        return f"not valid YAML ({str(cause).splitlines()[0]})"
     if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
         group = cause.missing_cfg_file.rsplit("/", 1)[0]  # hydra/launcher/nope -> hydra/launcher
         options = cause.options or []
@@ -60,7 +70,7 @@ def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.O
     if isinstance(cause, OverrideParseException):
         bare = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
         if bare is not None:  # `+experiment`, `backend`: a key without its value
-            options = app.group_options(bare.lstrip("+"), source)
+            options = group_options(bare.lstrip("+"), source)
             allowed = f"; allowed: {', '.join(f'{bare}={o}' for o in options)}" if options else ""
             return f"{bare}: an override needs a value (KEY=VALUE, +KEY=VALUE to add, ~KEY to delete){allowed}"
     if isinstance(cause, ValidationError):
@@ -70,46 +80,75 @@ def explain(e: Exception, overrides: list[str], source: app.ConfigSource = app.O
     return str(e).splitlines()[0]
 
 
-def allowed_keys(parent: str, source: app.ConfigSource = app.ORCHESTRATE) -> str:
+def allowed_keys(parent: str, source: ConfigSource = ORCHESTRATE) -> str:
     if not parent:
         return ""
     try:
-        node = OmegaConf.select(app.load_config(source=source), parent)
+        node = OmegaConf.select(load_config(source=source), parent)
         return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
     except Exception:
         return ""
 
 
 COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException,
-                      OmegaConfBaseException)
+                      OmegaConfBaseException, yaml.YAMLError)
 
 
-def validate(overrides: list[str], source: app.ConfigSource, hydra_overrides: list[str] = (),
-             trial: str = "", compose: app.Composer | None = None, checked: app.Checked | None = None,
+def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
+             trial: str = "", compose: Composer | None = None, checked: app.Checked | None = None,
              head_start: bool = False) -> None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
-    of a sweep); a sweep's trials share a `compose` (app.Composer) and what `checked` keeps.
+    of a sweep); a sweep's trials share a `compose` (Composer) and what `checked` keeps.
     `head_start`: the run's own command, whose backend may begin what it needs meanwhile."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
             # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
-            cfg = compose(overrides) if compose else app.load_config([*hydra_overrides, *overrides], source)
+            cfg = compose(overrides) if compose else load_config([*hydra_overrides, *overrides], source)
             with app.head_start(cfg) if head_start else contextlib.nullcontext():
                 app.check(cfg, checked)
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
         fail(explain(e, overrides, source))
-    except (ValueError, TypeError) as e:  # Hydra's defaults list on a malformed group choice (`=5`, `backend=[1]`)
-        fail(f"{' '.join(overrides)}: a config group's choice must be a name or a list of names "
-             f"({str(e).splitlines()[0]})")
+    except Exception as e:
+        if isinstance(e, (ValueError, TypeError)) and raised_by_hydra(e):  # its defaults list on `backend=[1]`
+            fail(f"{' '.join(overrides)}: a config group's choice must be a name or a list of names "
+                 f"({str(e).splitlines()[0]})")
+        file = file_being_read(e)
+        if file is not None:  # e.g. a user's YAML file that holds one value, not keys and values
+            fail(f"{trial}{shown_path(file)}: not a config of keys and values ({str(e).splitlines()[0]})")
+        # The user's own code (a model, a data set) failed in the up-front check: nothing ran.
+        errors.report(f"{trial}{errors.one_line(e, getattr(e, 'orchestrate_what', '') or 'the up-front check')}", e)
+        sys.exit(2)
 
 
-def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSource) -> None:
+def file_being_read(e: BaseException) -> str | None:
+    """The config file Hydra was reading when `e` was raised (its file source's `load_config`), if any."""
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_config" and "full_path" in tb.tb_frame.f_locals:
+            found = tb.tb_frame.f_locals["full_path"]
+        tb = tb.tb_next
+    return found
+
+
+def shown_path(path: str) -> str:
+    """A path as the user would type it: relative to the working folder when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def raised_by_hydra(e: BaseException) -> bool:
+    """Whether Hydra itself raised `e` (its innermost frame is Hydra's code)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"{os.sep}hydra{os.sep}" in frames[-1].filename
+
+
+def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource) -> None:
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
@@ -117,7 +156,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
 
     hydra_overrides = hydra_words(flags)
     try:
-        cfg = app.load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
+        cfg = load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
     except schema.ConfigError as e:
         fail(str(e))
@@ -128,7 +167,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: app.ConfigSou
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
-    compose, checked = app.Composer(source, hydra_overrides), app.Checked()
+    compose, checked = Composer(source, hydra_overrides), app.Checked()
     with headstart.head_start(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
@@ -176,7 +215,7 @@ def strip_source_flags(flags: list[str]) -> list[str]:
     gives them back, absolute."""
     out, it = [], iter(flags)
     for flag in it:
-        if flag.partition("=")[0] in app.ConfigSource.FLAGS:
+        if flag.partition("=")[0] in ConfigSource.FLAGS:
             if "=" not in flag:
                 next(it, None)
         else:
@@ -189,7 +228,7 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTRATE) -> list[str]:
+def rewrite_sweep_words(argv: list[str], source: ConfigSource = ORCHESTRATE) -> list[str]:
     """Hydra's grammar rejects a bare `+sweep` ("missing EQUAL"), so it is read here:
     `+sweep` -> multirun with the experiment's sweep; `+sweep=NAME` -> multirun with
     conf/sweep/NAME.yaml; `+dry_run` -> print the sweep's plan and run nothing."""
@@ -209,7 +248,7 @@ def rewrite_sweep_words(argv: list[str], source: app.ConfigSource = app.ORCHESTR
         # The experiment's sweep, or the configured default when it names none.
         flags, overrides = split_args(out)
         try:
-            cfg = app.load_config([*hydra_words(flags), *overrides], source)
+            cfg = load_config([*hydra_words(flags), *overrides], source)
             if cfg.sweep.name == "none":
                 out.append(f"sweep={cfg.sweep.default}")
         except Exception:
@@ -253,7 +292,7 @@ def main() -> None:
     check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
     try:
         # --config-path, --config-name, --config-dir: the user's own config folders.
-        source = app.ConfigSource.from_flags(split_args(sys.argv[1:])[0])
+        source = ConfigSource.from_flags(split_args(sys.argv[1:])[0])
     except schema.ConfigError as e:
         fail(str(e))
     argv = rewrite_sweep_words(sys.argv[1:], source)
@@ -270,7 +309,12 @@ def main() -> None:
     flags = strip_source_flags(flags)
     sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
     try:
-        app.hydra_main()
+        with errors.hydra_raising():  # what Hydra would print as a traceback: one line here
+            app.hydra_main()
+    except Exception as e:
+        ran = multirun or getattr(e, "orchestrate_run", None)
+        errors.report(errors.one_line(e, "the sweep" if multirun else ""), e)
+        sys.exit(1 if ran else 2)
     finally:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed

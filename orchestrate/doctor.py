@@ -304,13 +304,14 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
     its output goes to `scratch/smoke-NAME.log`. The process is left as it was (app.train keeps its
     settings; the working folder is put back)."""
     from orchestrate import app
+    from orchestrate.config import load_config
 
     what = f"smoke run backend={name}"
     log = scratch / f"smoke-{name}.log"
     store = f"sqlite:///{scratch / 'mlflow.db'}"
     began = time.perf_counter()
     try:
-        cfg = app.load_config([*overrides, f"backend={name}", *SMOKE, f"tracking.uri={store}",
+        cfg = load_config([*overrides, f"backend={name}", *SMOKE, f"tracking.uri={store}",
                                "tracking.experiment=doctor"])
         if needs_extensions(cfg) and not extensions_ok:
             # app.train would build them (minutes): the extensions' line above says how.
@@ -353,11 +354,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
-    from orchestrate import app
     from orchestrate.cli import COMPOSITION_ERRORS, explain
+    from orchestrate.config import group_options, load_config
 
     try:
-        cfg = app.load_config(overrides)
+        cfg = load_config(overrides)
     except COMPOSITION_ERRORS as e:
         print(f"error: {explain(e, overrides)}", file=sys.stderr)
         return 2
@@ -380,7 +381,7 @@ def main(argv: list[str]) -> int:
             print("(smoke runs skipped: --no-smoke)", flush=True)
         else:
             user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "backend"]  # each backend in turn
-            for name in app.group_options("backend"):
+            for name in group_options("backend"):
                 keep_scratch |= not report(*smoke(name, user, scratch, extensions_ok))
     finally:
         if not keep_scratch:  # a failed smoke run's output stays for the user to read

@@ -40,6 +40,7 @@ class Meter:
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
         self.agree = agree  # the runner's workers: true on every rank (a collective), else the flag itself
         self.skipped = 0  # updates dropped for a nan or inf loss (trainer.on_nonfinite=skip)
+        self.step = 0  # the step under way (0: training has not begun)
         self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.final: dict[str, float] = {}
@@ -57,6 +58,7 @@ class Meter:
                          unit="step", dynamic_ncols=True, mininterval=0.2 if os.isatty(2) else 10.0, desc=self.name)
         try:
             for step in range(start, t.max_steps + 1):
+                self.step = step  # the step under way: an error's line names it
                 yield step
                 self._bar.update()
         finally:

@@ -15,6 +15,8 @@ from hydra.errors import InstantiationException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
+from orchestrate import errors
+
 
 class ConfigError(ValueError):
     """Bad input: a wrong key or value, a missing file, an impossible combination.
@@ -90,8 +92,10 @@ class TrainerConf:
 @dataclass
 class TrackingConf:
     # MLflow's own variables, when set, as MLflow's client and Lightning's MLFlowLogger read them;
-    # else the embedded default, a SQLite store in the working directory. An override wins.
-    uri: str = "${oc.env:MLFLOW_TRACKING_URI,'sqlite:///mlflow.db'}"
+    # else the embedded default, a SQLite store in the working directory. An override wins. (A
+    # sweep's trial gets ORCHESTRATE_TRACKING_URI, its sweep's store: MLFLOW_TRACKING_URI is then
+    # the sweep's own server, which the trial logs through.)
+    uri: str = "${oc.env:ORCHESTRATE_TRACKING_URI,${oc.env:MLFLOW_TRACKING_URI,'sqlite:///mlflow.db'}}"
     experiment: str = "${oc.env:MLFLOW_EXPERIMENT_NAME,orchestrate}"
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact
@@ -209,7 +213,8 @@ def build(node: DictConfig, key: str, *args: Any) -> Any:
         if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
             # First line only: torch lists every signature it expected below it.
             raise ConfigError(f"{key} ({node._target_}): {str(cause).strip().splitlines()[0]}") from None
-        raise
+        errors.mark(cause, what=f"{key} ({node._target_})")  # the user's own error, with its traceback
+        raise cause from None
     if not args:
         return built
     try:

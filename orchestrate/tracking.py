@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import orchestrate
+from orchestrate import errors
 from orchestrate.meter import Diverged
 from orchestrate.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Outbox, cause, server_away, upload
 from orchestrate.redact import redact, redacted_yaml, redact_text
@@ -267,7 +268,7 @@ class Tracker(RunLogger):
         elif exc_type is not None:
             status = "FAILED"
             # A diverged run's own words (`loss became nan at step 12`); else the exception's name too.
-            text = str(exc) if issubclass(exc_type, Diverged) else f"{exc_type.__name__}: {exc}"
+            text = str(exc) if issubclass(exc_type, Diverged) else errors.one_line(exc)
             self.set_tags({"error": text[:5000]})
         try:
             self.outbox.close()  # bounded: a server still away gets END_WAIT_S, then the file

@@ -223,10 +223,11 @@ _HYDRA = threading.Lock()  # composing configs in this process: Hydra's global s
 
 
 def weights(backend: str, path: Path) -> dict[str, np.ndarray]:
-    from orchestrate import app, schema
+    from orchestrate import schema
+    from orchestrate.config import load_config
 
     with _HYDRA:
-        reader = schema.build(app.load_config(BACKEND_OVERRIDES[backend]).backend, "backend")
+        reader = schema.build(load_config(BACKEND_OVERRIDES[backend]).backend, "backend")
     return reader.read_checkpoint(path)
 
 

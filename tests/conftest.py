@@ -20,7 +20,7 @@ import pytest
 from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 
-from orchestrate import app
+from orchestrate.config import load_config
 from orchestrate.sweeps._server import TrackingServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +80,14 @@ def make_cfg(tmp_path):
 
     def make(*overrides: str, uri: str | None = None):
         base = ["data=synthetic", "trainer=quick", f"tracking.uri={uri or f'sqlite:///{tmp_path}/mlflow.db'}"]
-        return app.load_config([*base, *overrides])
+        return load_config([*base, *overrides])
 
     return make
 
 
 def multirun_config(overrides: list[str]):
     """The config a `-m` command line composes, with its `hydra` node (sweeper, launcher, overrides)."""
-    return app.load_config(overrides, run_mode=RunMode.MULTIRUN, with_hydra=True)
+    return load_config(overrides, run_mode=RunMode.MULTIRUN, with_hydra=True)
 
 
 def sweep_runs(folder, experiment: str = "orchestrate"):

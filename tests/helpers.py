@@ -37,6 +37,20 @@ class FailingMLP(MLP):
         return super().forward(x)
 
 
+class FailingInitMLP(MLP):
+    """An MLP whose constructor raises: a bug in a user's model code."""
+
+    def __init__(self, in_features: int, out_features: int, hidden=(32,)):
+        raise RuntimeError("deliberate failure in the model's constructor")
+
+
+class FailingData(Synthetic):
+    """A data set whose constructor raises: a bug in a user's data code."""
+
+    def __init__(self, **kwargs):
+        raise RuntimeError("deliberate failure in the data set's constructor")
+
+
 class KillingData(Synthetic):
     """The synthetic data set, which kills its own process with SIGKILL when rank `rank` asks for
     global batch `kill_at` (0-based: step kill_at + 1 without accumulation), once (the marker
@@ -181,10 +195,11 @@ def fit_untracked(overrides: list[str], out_dir: Path):
     (one costs seconds of its own), connected as `app.train` connects it (the runner: a Ray
     instance, shut down when it started one); the process settings the loop changes are put back. Returns
     the Job: `job.meter.final` holds the final metrics, `job.out_dir / "model.onnx"` the export."""
-    from orchestrate import app, process
+    from orchestrate import process
+    from orchestrate.config import load_config
     from orchestrate.job import Job
 
-    job = Job.prepare(app.load_config(overrides), out_dir)
+    job = Job.prepare(load_config(overrides), out_dir)
     with process.kept(), job.backend.connect(job):  # the runner's Ray, started and shut down here
         job.backend.fit(job)
     return job

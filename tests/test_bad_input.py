@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrate.app import ORCHESTRATE
+from orchestrate.config import ORCHESTRATE
 from orchestrate.cli import main, validate
 
 CASES = [
@@ -119,3 +119,57 @@ def test_random_overrides_are_accepted_or_refused_with_one_line(overrides, capsy
         assert e.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+# ---- random YAML files (hypothesis): a config group option of the user's own (`--config-dir`) made
+# of random keys and values, sometimes cut or with characters dropped in, is accepted or refused
+# with one plain line: never a traceback, and never a crash file (a user's YAML is input, not a bug).
+GROUP_KEYS = {"model": ["_target_", "in_features", "out_features", "hidden", "nope"],
+              "data": ["_target_", "num_samples", "num_features", "num_classes", "loss", "seed", "nope"],
+              "optimizer": ["_target_", "_partial_", "lr", "weight_decay", "betas", "nope"],
+              "trainer": ["max_steps", "batch_size", "seed", "precision", "lr_schedule", "device", "nope"],
+              "backend": ["_target_", "name", "intra_op_threads", "opset", "nope"]}
+YAML_SCALARS = st.one_of(st.integers(-3, 70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+                         st.sampled_from(["orchestrate.tasks.models.MLP", "orchestrate.tasks.data.Synthetic",
+                                          "torch.optim.SGD", "orchestrate.backends.torch.TorchBackend", "torch",
+                                          "cross_entropy", "fp16", "cuda", "cosine", "${data.num_features}",
+                                          "${nope}", "???", "x.y.Z", ""]),
+                         st.text(alphabet="ab1.:-_{}[]$ '\"#", max_size=6))
+YAML_VALUES = st.recursive(YAML_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.sampled_from(["a", "b", "_target_"]), inner, max_size=2), max_leaves=4)
+
+
+@st.composite
+def yaml_files(draw):
+    """(group, text): a random option of a config group, as YAML text, sometimes broken."""
+    import yaml
+
+    group = draw(st.sampled_from(sorted(GROUP_KEYS)))
+    node = draw(st.dictionaries(st.sampled_from(GROUP_KEYS[group]), YAML_VALUES, max_size=5))
+    text = yaml.safe_dump(node, default_flow_style=draw(st.booleans())) if node else ""
+    if draw(st.booleans()):  # break it: cut it short, or drop characters in
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from(["", "[", "{", ": :", "\t", "- ", "'", "*a", "&", "%", "\n  x"]))
+    if draw(st.booleans()):
+        text = "# @package _global_\n" + text  # an experiment-style file
+    return group, text
+
+
+@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "100")), deadline=15_000,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(file=yaml_files())
+def test_random_yaml_files_in_a_config_dir_are_accepted_or_refused_with_one_line(file, tmp_path, capsys):
+    from orchestrate.config import ConfigSource
+
+    group, text = file
+    folder = tmp_path / "conf" / group
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fuzz.yaml").write_text(text)
+    capsys.readouterr()
+    try:
+        validate([f"{group}=fuzz", "trainer.max_steps=1"], ConfigSource(config_dir=str(tmp_path / "conf")))
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert "full traceback in" not in err, f"{text!r} crashed the check: {err}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrate import app
+from orchestrate.config import ConfigSource, load_config
 from orchestrate.cli import main
 
 
@@ -149,8 +150,8 @@ def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, us
 
 @pytest.mark.parametrize("where", [["--config-dir", "conf"], ["hydra.searchpath=[file://conf]"]])
 def test_a_choice_in_the_users_folder_passes_the_check(where, user_conf):
-    source = app.ConfigSource.from_flags([w for w in where if not w.startswith("hydra.")])
-    cfg = app.load_config([*[w for w in where if w.startswith("hydra.")], "model=wide"], source)
+    source = ConfigSource.from_flags([w for w in where if not w.startswith("hydra.")])
+    cfg = load_config([*[w for w in where if w.startswith("hydra.")], "model=wide"], source)
     assert list(cfg.model.hidden) == [512]
     app.check(cfg)  # builds it, runs it once on the sample batch
 
@@ -159,9 +160,9 @@ def test_a_users_own_primary_config_builds_on_orchestrates(user_conf):
     (user_conf / "conf" / "train.yaml").write_text(
         "defaults:\n  - config\n  - override model: wide\n  - _self_\nhydra:\n  searchpath: [pkg://orchestrate.conf]\n"
         "trainer:\n  max_steps: 7\n")
-    source = app.ConfigSource.from_flags(["--config-path", "conf", "--config-name", "train"])
+    source = ConfigSource.from_flags(["--config-path", "conf", "--config-name", "train"])
     assert source.config_path == str(user_conf / "conf")  # relative to where the user is
-    cfg = app.load_config(["backend=torch"], source)
+    cfg = load_config(["backend=torch"], source)
     assert cfg.trainer.max_steps == 7 and list(cfg.model.hidden) == [512] and cfg.backend.name == "torch"
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from orchestrate import app
+from orchestrate.config import load_config
 from tests.conftest import ROOT
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
@@ -18,7 +19,7 @@ def test_experiments_are_global_package_files():
 @pytest.mark.slow  # most experiments train through ORTModule (the default backend)
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_a_few_steps(name, tmp_path):
-    cfg = app.load_config([f"+experiment={name}", "trainer.max_steps=4", "trainer.display_loss_steps=2",
+    cfg = load_config([f"+experiment={name}", "trainer.max_steps=4", "trainer.display_loss_steps=2",
                            "trainer.evaluation_period=4", "trainer.checkpoint_period=4", "trainer.warmup_steps=0", "trainer.progress=false",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
     result = app.train(cfg, Path(tmp_path) / "out")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrate import app, checkpoints, schema
+from orchestrate import checkpoints, schema
+from orchestrate.config import load_config
 from orchestrate.tasks.data import Synthetic
 from tests.conftest import ROOT, client_for, metric_steps
 
@@ -196,7 +197,7 @@ def test_a_signal_kills_the_run_and_resume_finishes_it(case, stopped_runs):
     assert "error" not in run.data.tags
     assert [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
     # The stopped attempt's last checkpoint, step 20, loads as a resume loads it.
-    cfg = app.load_config(["data=synthetic", "trainer=quick", *overrides(seen.backend, seen.marker)])
+    cfg = load_config(["data=synthetic", "trainer=quick", *overrides(seen.backend, seen.marker)])
     (last,) = [p for p in sorted((seen.run_dir / "checkpoints").iterdir())][-1:]
     assert last.name.startswith("step_0000020")
     state = checkpoints.load_checked(schema.build(cfg.backend, "backend"), schema.build(cfg.model, "model"), last)
@@ -245,7 +246,7 @@ def test_a_full_disk_fails_the_run_and_keeps_the_last_checkpoint(tmp_path):
                           "the MLflow run is marked FAILED"], err[-3000:]
         assert not [line for line in err.splitlines() if line.startswith("Traceback")], err[-3000:]
         assert sorted(p.name for p in folder.iterdir()) == ["filler", "step_0000010.pt", "step_0000020.pt"]
-        cfg = app.load_config(["data=synthetic", "trainer=quick", *overrides("torch", marker)])
+        cfg = load_config(["data=synthetic", "trainer=quick", *overrides("torch", marker)])
         state = checkpoints.load_checked(schema.build(cfg.backend, "backend"), schema.build(cfg.model, "model"),
                                          folder / "step_0000020.pt")
         assert state["step"] == 20

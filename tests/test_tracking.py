@@ -13,6 +13,7 @@ import time
 import pytest
 
 from orchestrate import app
+from orchestrate.config import load_config
 from orchestrate.outbox import UNSENT_FILE
 from orchestrate.schema import ConfigError
 from orchestrate.resume import config_key, find_resume
@@ -246,17 +247,17 @@ def test_mlflow_s_own_variables_are_the_defaults_and_an_override_wins(tmp_path, 
     env_uri = f"sqlite:///{tmp_path}/env.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
-    cfg = app.load_config(["backend=torch", "data=synthetic", "trainer=quick", "trainer.checkpoint_period=0"])
+    cfg = load_config(["backend=torch", "data=synthetic", "trainer=quick", "trainer.checkpoint_period=0"])
     assert (cfg.tracking.uri, cfg.tracking.experiment) == (env_uri, "from-env")
     result = app.train(cfg, tmp_path / "out")
     run = client_for(env_uri).get_run(result.run_id)
     assert client_for(env_uri).get_experiment(run.info.experiment_id).name == "from-env"
     assert f"(experiment 'from-env' in {env_uri})" in capsys.readouterr().out
-    assert app.load_config(["tracking.uri=sqlite:///other.db"]).tracking.uri == "sqlite:///other.db"
-    assert app.load_config(["tracking=server"]).tracking.uri == "http://127.0.0.1:5000"
+    assert load_config(["tracking.uri=sqlite:///other.db"]).tracking.uri == "sqlite:///other.db"
+    assert load_config(["tracking=server"]).tracking.uri == "http://127.0.0.1:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
-    assert (app.load_config([]).tracking.uri, app.load_config([]).tracking.experiment) == (
+    assert (load_config([]).tracking.uri, load_config([]).tracking.experiment) == (
         "sqlite:///mlflow.db", "orchestrate")
 
 

@@ -7,7 +7,7 @@ early ("this can be a bit slow for large jobs", its source says): about 0.1-0.2 
 before the first job of a grid of thousands starts. Launchers compose each job again when they run
 it, so without that a bad job fails on its own when it is launched, and the sweep starts at once.
 orchestrate's command line checks every trial of a sweep before Hydra starts, from configs
-composed once per choice of config groups (orchestrate.app.Composer).
+composed once per choice of config groups (orchestrate.config.Composer).
 
 Shaped like Hydra's own plugins: this thin public class and its `*Conf` dataclass, stored in the
 ConfigStore as hydra/sweeper=orchestrate_grid.

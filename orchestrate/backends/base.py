@@ -92,10 +92,11 @@ def backends(*flags: str) -> list[str]:
     """The backends (conf/backend names, a user's own folders included) whose class sets every one
     of `flags`, e.g. `backends("resumable")`: the names a message offers, found rather than listed
     by hand, so that a new backend file needs no message edited."""
-    from orchestrate import app, schema
+    from orchestrate import schema
+    from orchestrate.config import group_options
 
     found = []
-    for name in app.group_options("backend"):
+    for name in group_options("backend"):
         try:
             target = schema.target_of(backend_config(name), "backend")
         except schema.ConfigError:  # a backend file whose class does not import offers nothing
@@ -107,9 +108,9 @@ def backends(*flags: str) -> list[str]:
 
 def backend_config(name: str) -> DictConfig:
     """conf/backend/<name>.yaml as the config composes it (so a user's own backend file works too)."""
-    from orchestrate import app
+    from orchestrate.config import load_config
 
-    return app.load_config([f"backend={name}"]).backend
+    return load_config([f"backend={name}"]).backend
 
 
 class Parallel:

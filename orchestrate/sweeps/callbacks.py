@@ -93,7 +93,10 @@ class SweepTracking(Callback):
 
         run_id = _runs.open_trial(self.handover, config)
         # ONE_LOGGING_THREAD: many trials' logging threads against one server stay within its pool.
-        before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri, **ONE_LOGGING_THREAD,
+        # MLFLOW_TRACKING_URI is the sweep's server for the trial's MLflow client; its config's
+        # tracking.uri (by default read from MLFLOW_TRACKING_URI) stays the store the sweep was given.
+        before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri,
+                          "ORCHESTRATE_TRACKING_URI": self.tracking_uri, **ONE_LOGGING_THREAD,
                           **(NO_URLS if self.handover.own_server else {})})
         self._job = _Job(run_id, before)
 

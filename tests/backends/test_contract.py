@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from orchestrate import app, schema
+from orchestrate.config import load_config
 from orchestrate.backends.torch import export_onnx
 from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
 from tests.helpers import fit_untracked
@@ -19,7 +20,7 @@ METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "
 
 
 def backend_target(backend: str) -> type:
-    return schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend")
+    return schema.target_of(load_config([f"backend={backend}"]).backend, "backend")
 
 
 def starts_ort_or_ray(backend: str) -> bool:
@@ -37,7 +38,7 @@ def trained(request, mlflow_server, tmp_path_factory):
     if backend_target(request.param).distributed:
         request.getfixturevalue("ray_shared")
     out = tmp_path_factory.mktemp(request.param)
-    cfg = app.load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
+    cfg = load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
                            "trainer.checkpoint_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
                            "tracking.experiment=contract"])
     result = app.train(cfg, out)
@@ -125,7 +126,7 @@ def diverging(backend: str, tmp_path, request, *overrides: str):
     if backend_target(backend).distributed:
         request.getfixturevalue("ray_shared")
         overrides = ("trainer.num_workers=2", "trainer.batch_size=32", *overrides)
-    cfg = app.load_config([f"backend={backend}", "data=synthetic", "data._target_=tests.helpers.NanFrom",
+    cfg = load_config([f"backend={backend}", "data=synthetic", "data._target_=tests.helpers.NanFrom",
                            "+data.start=6", "trainer=quick", "trainer.max_steps=10", "trainer.display_loss_steps=1",
                            "trainer.evaluation_period=0", "trainer.checkpoint_period=3", "trainer.max_num_checkpoints=5",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
@@ -154,7 +155,7 @@ def test_a_run_that_skips_non_finite_steps_drops_their_updates_and_counts_them(b
     assert client.get_run(result.run_id).info.status == "FINISHED"
     assert metric_steps(client, result.run_id, "train/skipped_steps") == [(s, s - 6.0) for s in range(7, 11)]
     # Steps 7-10 changed nothing: the last checkpoint holds the weights of the one at step 6.
-    engine = schema.build(app.load_config([f"backend={backend}"]).backend, "backend")
+    engine = schema.build(load_config([f"backend={backend}"]).backend, "backend")
     folder = result.out_dir / "checkpoints"
     at_6, at_10 = (engine.read_checkpoint(next(folder.glob(f"step_{s:07d}.*"))) for s in (6, 10))
     assert at_6.keys() == at_10.keys()
@@ -184,7 +185,7 @@ def signature(path) -> list[tuple]:
 
 
 def single_process(backend: str) -> bool:
-    return not schema.target_of(app.load_config([f"backend={backend}"]).backend, "backend").distributed
+    return not schema.target_of(load_config([f"backend={backend}"]).backend, "backend").distributed
 
 
 # Every single-process backend but torch (whose loop ends with export_onnx, the reference) with
@@ -204,7 +205,7 @@ def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, ove
         request.getfixturevalue("ray_shared")
     overrides = [f"backend={backend}", f"model={model}", *paired_data(model), "trainer=quick", "trainer.max_steps=2",
                  "trainer.batch_size=8", "trainer.evaluation_period=0", "trainer.checkpoint_period=0", *overrides]
-    cfg = app.load_config(overrides)
+    cfg = load_config(overrides)
     export_onnx(schema.build(cfg.model, "model"), schema.build(cfg.data, "data").sample_input(), tmp_path / "torch.onnx")
     reference = signature(tmp_path / "torch.onnx")
     assert all(dims and dims[0] is None for *_, dims in reference), reference  # the batch stays symbolic
@@ -213,3 +214,21 @@ def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, ove
     except schema.ConfigError as e:  # refused before any compute: nothing exported to compare
         pytest.skip(f"backend={backend} refuses model={model}: {e}")
     assert signature(job.out_dir / "model.onnx") == reference
+
+
+def test_no_backend_imports_the_app():
+    """Backends may read configs (orchestrate.config) but never import orchestrate.app, which
+    imports the job, the tracker and through them the backends again: no circle of imports."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "orchestrate" / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n == "orchestrate.app"]
+    assert found == []

@@ -5,6 +5,7 @@ steps to 1e-4 relative (ORT's kernels sum in a different order than PyTorch's)."
 import pytest
 
 from orchestrate import app
+from orchestrate.config import load_config
 
 pytestmark = pytest.mark.slow  # ORTModule
 PARITY = ["torch", "ortmodule", "ondevice"]
@@ -12,7 +13,7 @@ PARITY = ["torch", "ortmodule", "ondevice"]
 
 def first_losses(backend: str, tmp_path, *overrides: str) -> list[float]:
     """The train loss of each of the first ten steps."""
-    cfg = app.load_config([f"backend={backend}", "data=synthetic", "trainer=quick", "trainer.max_steps=10",
+    cfg = load_config([f"backend={backend}", "data=synthetic", "trainer=quick", "trainer.max_steps=10",
                            "trainer.display_loss_steps=1", "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
                            "optimizer.lr=0.01", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
     result = app.train(cfg, tmp_path / backend)

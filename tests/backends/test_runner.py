@@ -14,6 +14,7 @@ import ray
 import torch
 
 from orchestrate import app, checkpoints, ray_cluster, schema
+from orchestrate.config import load_config
 from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, served_twice
@@ -37,14 +38,14 @@ def one_worker(tmp_path_factory):
 
 def train(tmp_path, name: str, *overrides: str):
     small_mlp = [] if any(o.startswith("model=") for o in overrides) else ["model.hidden=[32]"]
-    cfg = app.load_config([*COMMON, *small_mlp, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
+    cfg = load_config([*COMMON, *small_mlp, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
     return app.train(cfg, tmp_path / name)
 
 
 def final_weights(result) -> dict[str, torch.Tensor]:
     path = sorted((result.out_dir / "checkpoints").glob("step_*"))[-1]
     if path.suffix == ".ckpt":  # the ondevice engine's CheckpointState
-        backend = schema.build(app.load_config(["backend=ondevice"]).backend, "backend")
+        backend = schema.build(load_config(["backend=ondevice"]).backend, "backend")
         return {k: torch.from_numpy(v) for k, v in backend.read_checkpoint(path).items()}
     return {k: torch.from_numpy(v) for k, v in checkpoints.torch_parameters(path).items()}
 
@@ -73,7 +74,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path, 
 def test_the_weights_moved(one_worker):
     """Guards the equivalence tests against comparing two untrained models."""
     trained = final_weights(one_worker)
-    cfg = app.load_config([*COMMON, "model.hidden=[32]"])
+    cfg = load_config([*COMMON, "model.hidden=[32]"])
     torch.manual_seed(cfg.trainer.seed)
     initial = schema.build(cfg.model, "model").state_dict()
     assert not torch.allclose(trained["net.0.weight"], initial["net.0.weight"])

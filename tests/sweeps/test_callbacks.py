@@ -14,12 +14,12 @@ from hydra.utils import instantiate
 from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
-from orchestrate import app
+from orchestrate.config import load_config
 from orchestrate.sweeps import _summary, callbacks
 from orchestrate.sweeps.callbacks import Handover, SweepTracking
 from tests.conftest import multirun_config
 
-MLFLOW_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE",
+MLFLOW_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "ORCHESTRATE_TRACKING_URI", "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE",
                     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
 
 
@@ -45,7 +45,7 @@ def test_the_callback_reaches_a_remote_job_with_what_on_multirun_start_set():
 
 
 def test_a_single_run_is_not_touched(monkeypatch):
-    cfg = app.load_config(["backend=torch"])
+    cfg = load_config(["backend=torch"])
     before = dict(os.environ)
     cb = SweepTracking("sqlite:///mlflow.db", "orchestrate")
     cb.on_run_start(cfg)

@@ -1,5 +1,5 @@
 """What a sweep's fast start relies on: its trials composed once per choice of config groups
-(app.Composer) exactly as Hydra composes each, data sets built once per process, models built once
+(Composer) exactly as Hydra composes each, data sets built once per process, models built once
 per check. A refused sweep leaves no store, server or Ray behind: tests/sweeps/test_plan.py."""
 
 
@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from orchestrate import app, job
+from orchestrate.config import Composer, ConfigSource, load_config
 
 CASES = [
     ["optimizer.lr=0.01", "backend=torch"],
@@ -29,10 +30,10 @@ def composed(compose, overrides: list[str]) -> str:
 
 @pytest.mark.parametrize("overrides", CASES, ids=[" ".join(c) for c in CASES])
 def test_a_trial_composes_to_what_hydra_composes(overrides):
-    composer = app.Composer()
+    composer = Composer()
     composer(["backend=torch"])  # something already composed, to be copied rather than changed
-    assert composed(composer, overrides) == composed(app.load_config, overrides)
-    assert composed(composer, overrides) == composed(app.load_config, overrides)  # the cached base is untouched
+    assert composed(composer, overrides) == composed(load_config, overrides)
+    assert composed(composer, overrides) == composed(load_config, overrides)  # the cached base is untouched
 
 
 def test_a_users_primary_config_composes_to_what_hydra_composes(tmp_path):
@@ -40,15 +41,15 @@ def test_a_users_primary_config_composes_to_what_hydra_composes(tmp_path):
     (the README's my_project/conf/train.yaml): `backend=...` is a group there too."""
     (tmp_path / "train.yaml").write_text("defaults:\n  - config\n  - _self_\nhydra:\n  searchpath: "
                                          "[pkg://orchestrate.conf]\ntracking:\n  experiment: wine\n")
-    source = app.ConfigSource(config_path=str(tmp_path), config_name="train")
+    source = ConfigSource(config_path=str(tmp_path), config_name="train")
     for overrides in (["backend=ondevice", "optimizer.lr=0.1"], ["model=cnn", "trainer.max_steps=3"]):
-        assert (composed(app.Composer(source), overrides)
-                == composed(lambda o: app.load_config(o, source), overrides))
-        assert app.Composer(source)(overrides).tracking.experiment == "wine"
+        assert (composed(Composer(source), overrides)
+                == composed(lambda o: load_config(o, source), overrides))
+        assert Composer(source)(overrides).tracking.experiment == "wine"
 
 
 def test_trials_that_differ_in_values_compose_once():
-    composer = app.Composer()
+    composer = Composer()
     for lr in (0.1, 0.2, 0.3):
         assert composer(["backend=torch", f"optimizer.lr={lr}"]).optimizer.lr == lr
     composer(["backend=ondevice", "optimizer.lr=0.1"])
@@ -56,14 +57,14 @@ def test_trials_that_differ_in_values_compose_once():
 
 
 def test_a_data_set_is_built_once_per_config():
-    a = job.build_data(app.load_config(["data=synthetic"]).data)
-    assert job.build_data(app.load_config(["data=synthetic"]).data) is a
-    assert job.build_data(app.load_config(["data=synthetic", "data.num_samples=64"]).data) is not a
+    a = job.build_data(load_config(["data=synthetic"]).data)
+    assert job.build_data(load_config(["data=synthetic"]).data) is a
+    assert job.build_data(load_config(["data=synthetic", "data.num_samples=64"]).data) is not a
 
 
 def test_a_check_builds_a_model_once_per_model_data_and_seed():
     checked = app.Checked()
     for lr in (0.1, 0.2):
-        app.check(app.load_config(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"]), checked)
-    app.check(app.load_config(["data=synthetic", "trainer=quick", "model.hidden=[4]"]), checked)
+        app.check(load_config(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"]), checked)
+    app.check(load_config(["data=synthetic", "trainer=quick", "model.hidden=[4]"]), checked)
     assert len(checked.models) == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from orchestrate import app
+from orchestrate.config import load_config
 from tests.conftest import ROOT
 
 TASKS = {"hf_causal_lm": "python_source", "hf_classifier": "python_files"}  # model -> the data it goes with
@@ -46,8 +47,8 @@ def test_models_build_offline_and_export_without_a_word(monkeypatch, tmp_path, c
 
 def test_transformers_is_imported_only_when_an_hf_model_is_chosen(tmp_path):
     """transformers takes seconds to import: the default run's objects are built without it."""
-    code = ("import sys; from orchestrate import app; from orchestrate.job import Job; "
-            f"Job.prepare(app.load_config(['backend=torch', 'tracking.uri=sqlite:///{tmp_path}/m.db']), '{tmp_path}'); "
+    code = ("import sys; from orchestrate.config import load_config; from orchestrate.job import Job; "
+            f"Job.prepare(load_config(['backend=torch', 'tracking.uri=sqlite:///{tmp_path}/m.db']), '{tmp_path}'); "
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -62,7 +63,7 @@ def first_losses(backend: str, model: str, tmp_path) -> list[float]:
         # A model ORTModule cannot export would otherwise train on in PyTorch, with a warning:
         # without the fallback, the losses below are ORT's.
         overrides.append("+backend.options.ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE")
-    result = app.train(app.load_config(overrides), tmp_path / backend)
+    result = app.train(load_config(overrides), tmp_path / backend)
     return [v for _, v in result.history["train/loss"]]
 
 
@@ -84,7 +85,7 @@ def test_torch_ortmodule_and_ondevice_agree_on_the_first_steps(model, tmp_path):
 
 @pytest.mark.slow  # about a minute: Ray starts two workers
 def test_runner_workers_train_the_classifier_well_above_chance(tmp_path):
-    cfg = app.load_config(["backend=runner", "backend.engine=ortmodule", "trainer.num_workers=2", "model=hf_classifier",
+    cfg = load_config(["backend=runner", "backend.engine=ortmodule", "trainer.num_workers=2", "model=hf_classifier",
                            "data=python_files", "trainer=quick", "trainer.max_steps=100", "trainer.batch_size=16",
                            "trainer.evaluation_period=0", "trainer.checkpoint_period=0", "optimizer.lr=1e-3",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
