@@ -92,6 +92,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             job.resume_state = checkpoints.load_checked(job.backend, job.model,
                                                         resume.fetch(job.out_dir / "checkpoints"))
             print(f"resuming MLflow run {resume.run_id} after step {resume.step}", flush=True)
+            if resume.changed:  # a diverged run goes on with a lower learning rate: its params keep the old
+                tags[f"resumed_at_{resume.step}"] = ", ".join(f"{k}={now} (was {was})"
+                                                              for k, (was, now) in resume.changed.items())
         elif cfg.trainer.resume == "auto":
             print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
                   flush=True)
@@ -157,9 +160,10 @@ def diverged_message(e: Diverged, folder: Path) -> str:
     """One line: the step, the run FAILED, the checkpoint kept from before it, what to do next."""
     kept = checkpoints.latest(folder)
     return (f"{e}; the MLflow run is marked FAILED. "
-            + (f"The last checkpoint before it, {kept}, is kept: " if kept else "No checkpoint was written before it: ")
-            + "lower optimizer.lr and run again (a new run), or keep the updates of finite steps only with "
-              "trainer.on_nonfinite=skip")
+            + (f"The last checkpoint before it, {kept}, is kept: the same command with a lower optimizer.lr and "
+               "trainer.resume=auto goes on from it" if kept else "No checkpoint was written before it: lower "
+               "optimizer.lr and run again")
+            + " (or drop the updates of non-finite steps with trainer.on_nonfinite=skip)")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -179,11 +179,19 @@ def load_torch(source: Path | bytes) -> dict:
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
-def restore_torch(state: dict, optimizer, scheduler, scaler=None) -> int:
-    """Put optimizer, schedule, loss scaler and RNG back as they were; returns the step to go on from."""
+def restore_torch(state: dict, optimizer, scheduler, scaler=None, job=None) -> int:
+    """Put optimizer, schedule, loss scaler and RNG back as they were; returns the step to go on
+    from. With `job`, the learning rate is the config's (the stored one, unless a run that
+    diverged goes on with a lower one: trainer.resume)."""
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
+    if job is not None:
+        if scheduler is not None:
+            scheduler.base_lrs = [job.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["initial_lr"] = job.lr
+            group["lr"] = job.lr * job.trainer.lr_factor(state["step"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     rng = state["rng"]

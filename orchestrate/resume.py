@@ -5,7 +5,7 @@ check `trainer.resume` before anything is written."""
 import hashlib
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -15,6 +15,9 @@ from orchestrate.tracking import flatten
 
 # Keys that may differ between a run and its continuation; every other key must be the same.
 RESUME_FREE = ("trainer.resume", "trainer.progress")
+# A run that diverged (its `diverged_at` tag) may also go on with a lower learning rate, or
+# skipping non-finite steps, from its last checkpoint before the nan.
+RECOVERY_FREE = ("optimizer.lr", "trainer.on_nonfinite")
 
 
 def config_key(cfg: DictConfig) -> str:
@@ -34,6 +37,7 @@ class ResumePoint:
     local: Path | None  # the checkpoint file in the run's output folder, when it is still there
     artifact: str | None  # else its artifact path in the run
     uri: str
+    changed: dict[str, tuple[str, str]] = field(default_factory=dict)  # a diverged run's: key -> (was, now)
 
     def fetch(self, folder: Path) -> Path:
         """Copy the checkpoint into `folder` (the new output folder's checkpoints): the next
@@ -78,22 +82,43 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
             point = _latest_checkpoint(client, run, uri)
             if point is not None:
                 return point
+        # Else a run of this config that diverged, continued with a lower learning rate.
+        diverged = client.search_runs([experiment.experiment_id], "attributes.status = 'FAILED'",
+                                      order_by=["attributes.start_time DESC"], max_results=50)
+        for run in diverged:
+            changed = differing(cfg, run)
+            if "diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE):
+                point = _latest_checkpoint(client, run, uri)
+                if point is not None:
+                    point.changed = changed
+                    return point
         return None
     try:
         run = client.get_run(want)
     except MlflowException:
         raise ConfigError(f"trainer.resume={want}: no such run in {uri}; allowed: auto or a run id") from None
+    changed = {}
     if run.data.tags.get("config_key") != key:
-        now = flatten(cfg)
-        differ = [k for k, v in run.data.params.items()
-                  if not k.startswith("tracking.") and k not in RESUME_FREE and now.get(k) != v]
-        raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
-                          f"{', '.join(differ[:5]) or 'its keys'}); resume it with the same overrides")
+        changed = differing(cfg, run)
+        if not ("diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE)):
+            allowed = (f"; a run that diverged may change {' and '.join(RECOVERY_FREE)} only"
+                       if "diverged_at" in run.data.tags else "")
+            raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
+                              f"{', '.join(list(changed)[:5]) or 'its keys'}); resume it with the same overrides"
+                              f"{allowed}")
     point = _latest_checkpoint(client, run, uri)
     if point is None:
         raise ConfigError(f"trainer.resume={want}: that run has no checkpoint to resume from "
                           "(set trainer.checkpoint_period to checkpoint during a run)")
+    point.changed = changed
     return point
+
+
+def differing(cfg: DictConfig, run) -> dict[str, tuple[str, str]]:
+    """The training keys whose value in `cfg` differs from `run`'s params: key -> (was, now)."""
+    now = flatten(cfg)
+    return {k: (v, now.get(k)) for k, v in run.data.params.items()
+            if not k.startswith("tracking.") and k not in RESUME_FREE and now.get(k) != v}
 
 
 def close_orphans(cfg: DictConfig, run_id: str) -> list[str]:

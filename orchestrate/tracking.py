@@ -219,9 +219,10 @@ class Tracker(RunLogger):
             experiment_id = mlflow.tracking.MlflowClient(uri).get_run(resume_run_id).info.experiment_id
             mlflow.set_experiment(experiment_id=experiment_id)
             run = mlflow.start_run(run_id=resume_run_id)
-            if "error" in run.data.tags:
-                # What stopped the earlier attempt no longer describes the run: it goes on.
-                mlflow.tracking.MlflowClient(uri).delete_tag(resume_run_id, "error")
+            for stale in ("error", "diverged_at"):
+                if stale in run.data.tags:
+                    # What stopped the earlier attempt no longer describes the run: it goes on.
+                    mlflow.tracking.MlflowClient(uri).delete_tag(resume_run_id, stale)
         elif given:
             run = mlflow.start_run(run_id=given[1])
         else:
@@ -268,8 +269,10 @@ class Tracker(RunLogger):
         elif exc_type is not None:
             status = "FAILED"
             # A diverged run's own words (`loss became nan at step 12`); else the exception's name too.
-            text = str(exc) if issubclass(exc_type, Diverged) else errors.one_line(exc)
-            self.set_tags({"error": text[:5000]})
+            if issubclass(exc_type, Diverged):  # its own words; trainer.resume may go on with a lower rate
+                self.set_tags({"error": str(exc), "diverged_at": str(exc.step)})
+            else:
+                self.set_tags({"error": errors.one_line(exc)[:5000]})
         try:
             self.outbox.close()  # bounded: a server still away gets END_WAIT_S, then the file
         finally:

@@ -195,3 +195,31 @@ def test_tensorboard_event_files_hold_the_logged_scalars(make_cfg, tmp_path):
     assert [v for _, v in logged] == pytest.approx([v for _, v in in_mlflow], rel=1e-6)
     artifacts = client_for(make_cfg().tracking.uri).list_artifacts(result.run_id, "tensorboard")
     assert len(artifacts) == 1 and "tfevents" in artifacts[0].path
+
+
+def test_a_diverged_run_goes_on_from_its_last_checkpoint_with_a_lower_learning_rate(make_cfg, tmp_path):
+    """The way out the error line names: the same command with a lower optimizer.lr (here also
+    trainer.on_nonfinite=skip, the data being nan from step 7 whatever the rate) and
+    trainer.resume=auto continues the FAILED run from its checkpoint before the nan."""
+    from orchestrate.meter import Diverged
+
+    same = ("backend=torch", "data._target_=tests.helpers.NanFrom", "+data.start=6", "trainer.max_steps=10",
+            "trainer.display_loss_steps=1", "trainer.checkpoint_period=3", "trainer.evaluation_period=0")
+    with pytest.raises(Diverged):
+        app.train(make_cfg(*same, "optimizer.lr=0.01"), tmp_path / "first")
+    client = client_for(make_cfg().tracking.uri)
+    [first] = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert first.data.tags["diverged_at"] == "7"
+    with pytest.raises(schema.ConfigError, match="a run that diverged may change optimizer.lr and "
+                                                 "trainer.on_nonfinite only"):
+        app.train(make_cfg(*same, "trainer.batch_size=8", f"trainer.resume={first.info.run_id}"), tmp_path / "x")
+
+    result = app.train(make_cfg(*same, "optimizer.lr=0.001", "trainer.on_nonfinite=skip", "trainer.resume=auto"),
+                       tmp_path / "second")
+    assert result.run_id == first.info.run_id
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and not {"error", "diverged_at"} & set(run.data.tags)
+    assert "optimizer.lr=0.001 (was 0.01)" in run.data.tags["resumed_at_6"]
+    assert metric_steps(client, result.run_id, "lr") == [(s, 0.01) for s in range(1, 7)] + [
+        (s, 0.001) for s in range(7, 11)]
+    assert [s for s, _ in metric_steps(client, result.run_id, "train/skipped_steps")] == [7, 8, 9, 10]

@@ -136,3 +136,34 @@ def test_every_backend_loads_its_checkpoint_as_a_picklable_state_with_where_the_
         checkpoints.load_checked(other.backend, other.model, path)
     assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
     assert checkpoints.load_checked(job.backend, job.model, path)["step"] == 7
+
+
+def test_a_restored_optimizer_takes_the_config_s_learning_rate():
+    """A diverged run goes on with a lower optimizer.lr (trainer.resume): the restored optimizer
+    and schedule use the config's rate, not the one stored with their state."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from orchestrate.checkpoints import restore_torch
+    from orchestrate.schema import TrainerConf
+
+    model = torch.nn.Linear(3, 2)
+    before = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    before.step()
+    import random
+
+    import numpy as np
+
+    kind, key, *rest = np.random.get_state()  # the process's own RNG states: restoring changes nothing
+    state = {"optimizer": before.state_dict(), "scheduler": None, "step": 5,
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                     "numpy": (kind, torch.from_numpy(key.astype(np.int64)), *rest), "cuda": []}}
+    after = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(after, lambda step: 0.5)
+    state["scheduler"] = schedule.state_dict()
+    job = SimpleNamespace(lr=0.01, trainer=TrainerConf(lr_schedule="linear", max_steps=10))
+    assert restore_torch(state, after, schedule, job=job) == 5
+    assert after.param_groups[0]["lr"] == pytest.approx(0.01 * job.trainer.lr_factor(5))
+    assert schedule.base_lrs == [0.01] and after.state_dict()["state"]  # AdamW's moments kept

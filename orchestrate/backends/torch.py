@@ -65,7 +65,7 @@ class TorchBackend(Backend):
         scaler = torch.amp.GradScaler("cuda", enabled=fp16)
         # (A disabled autocast still costs ~5 us a step: a small model's step is ~1 ms.)
         autocast = torch.autocast(device_type=device.type, dtype=torch.float16) if fp16 else contextlib.nullcontext()
-        done = checkpoints.restore_torch(state, optimizer, scheduler, scaler) if state is not None else 0
+        done = checkpoints.restore_torch(state, optimizer, scheduler, scaler, job) if state is not None else 0
         model.train()
 
         for step in meter.steps(start=done + 1):
