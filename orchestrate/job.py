@@ -52,9 +52,14 @@ def seed_everything(seed: int) -> None:
 def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> None:
     """Run the model once on the data's sample batch (eval mode, no gradients, no ORT export), so
     that a layer sized for other data is refused here rather than in the first training step.
-    The RNG is forked and the mode restored: every backend still starts from the same state."""
+    The RNG is forked and the mode restored: every backend still starts from the same state. A
+    parameter with no elements (a layer of width 0) is refused first: torch runs it, ORT does not."""
     sample = data.sample_input()
     target = cfg.model._target_
+    for name, parameter in model.named_parameters():
+        if parameter.numel() == 0:
+            raise schema.ConfigError(f"model ({target}): parameter {name} has no elements (shape "
+                                     f"{list(parameter.shape)}); check the model's sizes")
     was_training = model.training
     model.eval()
     try:

@@ -7,12 +7,12 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.errors import InstantiationException
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from orchestrate import errors
@@ -49,24 +49,80 @@ class NonFinite(str, enum.Enum):
     skip = "skip"  # that step's update is dropped (as fp16's loss scaler does), counted in train/skipped_steps
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting allows, declared beside its type (`Annotated[int, AT_LEAST_1]`
+    on a schema's field, a backend's field, a model's or data set's constructor parameter) and
+    checked in one place (`check_value`); a list's elements are each checked (`model.hidden`)."""
+
+    low: float | None = None
+    high: float | None = None
+    open: bool = False  # the ends themselves are not allowed (a fraction in (0, 1))
+
+    def allows(self, value: float) -> bool:
+        if self.open:
+            return (self.low is None or value > self.low) and (self.high is None or value < self.high)
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.open:
+            return f"above {self.low}" if self.high is None else f"in ({self.low}, {self.high})"
+        if self.high is None:
+            return "0 or more" if self.low == 0 else f"at least {self.low}"
+        return f"from {self.low} to {self.high}"
+
+
+AT_LEAST_1 = Range(1)  # sizes and counts
+AT_LEAST_0 = Range(0)  # periods (0: only at the end), thread counts (0: the default)
+ABOVE_0 = Range(0, open=True)  # amounts (CPUs, seconds)
+FRACTION = Range(0, 1, open=True)
+PROBABILITY = Range(0, 1)  # dropout
+SEED = Range(0, 2**32 - 1)  # what numpy's and torch's generators take
+
+
+def ranges_of(target: Any) -> dict[str, Range]:
+    """Each field's (a dataclass) or constructor parameter's declared Range, by name."""
+    import typing
+
+    try:
+        hints = typing.get_type_hints(target if is_dataclass(target) else target.__init__, include_extras=True)
+    except Exception:  # noqa: BLE001 - a class whose annotations do not resolve declares nothing
+        return {}
+    return {name: meta for name, hint in hints.items() for meta in getattr(hint, "__metadata__", ())
+            if isinstance(meta, Range)}
+
+
+def check_value(key: str, value: Any, declared: Range | None = None) -> None:
+    """A setting's numbers against its declared range; a float must be finite wherever it is (no
+    setting takes nan or inf). ConfigError naming the key and what is allowed."""
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    for number in values:
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            continue
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ConfigError(f"{key}={shown(value)}: must be a finite number" + (f", {declared}" if declared else ""))
+        if declared is not None and not declared.allows(number):
+            raise ConfigError(f"{key}={shown(value)}: must be {declared}")
+
+
 @dataclass
 class TrainerConf:
-    max_steps: int = 300  # optimizer updates to run
-    batch_size: int = 64  # samples per step (per worker)
-    eval_batch_size: int = 512
-    seed: int = 0  # same seed -> same initial weights and batch order on every backend
-    display_loss_steps: int = 25  # log train loss and throughput every N steps
-    evaluation_period: int = 100  # evaluate every N steps (and after the last); 0: only at the end
-    checkpoint_period: int = 150  # checkpoint every N steps; 0: only after the last step
-    max_num_checkpoints: int = 2  # checkpoints kept on disk (MLflow keeps every logged one)
+    max_steps: Annotated[int, AT_LEAST_1] = 300  # optimizer updates to run
+    batch_size: Annotated[int, AT_LEAST_1] = 64  # samples per step (per worker)
+    eval_batch_size: Annotated[int, AT_LEAST_1] = 512
+    seed: Annotated[int, SEED] = 0  # same seed -> same initial weights and batch order on every backend
+    display_loss_steps: Annotated[int, AT_LEAST_1] = 25  # log train loss and throughput every N steps
+    evaluation_period: Annotated[int, AT_LEAST_0] = 100  # evaluate every N steps (and after the last); 0: at the end
+    checkpoint_period: Annotated[int, AT_LEAST_0] = 150  # checkpoint every N steps; 0: only after the last step
+    max_num_checkpoints: Annotated[int, AT_LEAST_1] = 2  # checkpoints kept on disk (MLflow keeps every logged one)
     lr_schedule: LRSchedule = LRSchedule.constant
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, AT_LEAST_0] = 0
     device: Device = Device.cpu
     precision: Precision = Precision.fp32
     on_nonfinite: NonFinite = NonFinite.stop  # a nan or inf loss (or gradient norm, at display steps)
     progress: bool = True  # progress bar on the console
-    num_workers: int = 1  # data-parallel workers (backend=runner)
-    gradient_accumulation_steps: int = 1  # micro-batches per weight update (backend=runner)
+    num_workers: Annotated[int, AT_LEAST_1] = 1  # data-parallel workers (backend=runner)
+    gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = 1  # micro-batches per weight update (backend=runner)
     # "auto": continue the newest unfinished MLflow run with this same config from its latest
     # checkpoint (a fresh run when there is none); a run id: continue that run. Same MLflow run,
     # each step logged once.
@@ -141,14 +197,8 @@ def check(cfg: DictConfig) -> None:
             raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys {where}: {', '.join(allowed)} "
                               f"(drop it with ~{prefix}{unknown[0]})")
     t = cfg.trainer
-    positive = ["max_steps", "batch_size", "eval_batch_size", "display_loss_steps", "max_num_checkpoints",
-                "num_workers", "gradient_accumulation_steps"]
-    for key in positive:
-        if t[key] < 1:
-            raise ConfigError(f"trainer.{key}={t[key]}: must be at least 1")
-    for key in ["evaluation_period", "checkpoint_period", "warmup_steps"]:
-        if t[key] < 0:
-            raise ConfigError(f"trainer.{key}={t[key]}: must be 0 or more")
+    for key, declared in ranges_of(TrainerConf).items():
+        check_value(f"trainer.{key}", t[key], declared)
     if t.warmup_steps >= t.max_steps and t.lr_schedule != LRSchedule.constant:
         raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be below trainer.max_steps={t.max_steps}")
     fused_adam = str(cfg.optimizer.get("_target_", "")).endswith("FusedAdam")
@@ -200,6 +250,9 @@ def build(node: DictConfig, key: str, *args: Any) -> Any:
             raw = OmegaConf.to_container(node, resolve=False)[name]
             raise ConfigError(f"{key}.{name}={raw}: {(e.msg or str(e)).splitlines()[0]}; set {key}.{name} to a value, "
                               "or choose groups that go together") from None
+    declared = ranges_of(target)  # Annotated[..., Range] on its fields or constructor parameters
+    for name in given:
+        check_value(f"{key}.{name}", node[name], declared.get(name))
     if is_dataclass(target):
         # Dataclass targets (the backends) also get their field types checked.
         try:

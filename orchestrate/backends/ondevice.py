@@ -17,6 +17,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ import torch
 from orchestrate import checkpoints, losses, ort, process
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import declare_shape
-from orchestrate.schema import ConfigError, Device, LRSchedule, Precision, shown, target_of
+from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, Precision, shown, target_of
 
 # ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
 # learning rate goes to ORT's Optimizer). The config's arguments are checked by that torch class
@@ -146,7 +147,7 @@ class OnDeviceBackend(Backend):
     opset: int  # opset 17 breaks ORT 1.19's LayerNormalization gradient; 14-16 work
     # ORT's default (a thread per core, spinning) ran the digits MLP at 29.5k samples/s on 2 cores,
     # one intra-op thread at 113k: conf/backend/ondevice.yaml sets one thread.
-    intra_op_threads: int
+    intra_op_threads: Annotated[int, AT_LEAST_0]
     allow_spinning: bool
     log_level: str  # ORT's output on the console from this level up (ort.LEVELS); the log file has all
     frozen_params: list[str]  # fnmatch patterns of parameter names to freeze
@@ -180,9 +181,6 @@ class OnDeviceBackend(Backend):
             raise ConfigError(f"backend.adamw_mode={self.adamw_mode!r}: allowed: {', '.join(ADAMW_MODES)}")
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
-        if self.intra_op_threads < 0:
-            raise ConfigError(f"backend.intra_op_threads={self.intra_op_threads}: allowed: 0 (ORT's default pool) "
-                              "or a number of threads")
         low, high, why = opset_range(job.model)
         if not low <= self.opset <= high:
             raise ConfigError(f"backend.opset={self.opset}: allowed: {low} to {high} ({why})")

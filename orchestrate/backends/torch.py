@@ -12,6 +12,7 @@ ModelUpdateStep (forward, backward, AllReduce, optimizer step, schedule step). W
 
 import contextlib
 from dataclasses import dataclass
+from typing import Annotated
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +20,19 @@ import torch
 
 from orchestrate import checkpoints, losses
 from orchestrate.backends.base import Backend
-from orchestrate.schema import ConfigError, LRSchedule, Precision
+from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
 
 
 @dataclass
 class TorchBackend(Backend):
     name: str
-    intra_op_threads: int  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
+    intra_op_threads: Annotated[int, AT_LEAST_0]  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
     resumable = True
     data_parallel = True
 
     def check(self, job) -> None:
         if job.data.loss not in losses.LOSSES:
             raise ConfigError(f"data.loss={job.data.loss!r}: allowed: {', '.join(losses.LOSSES)}")
-        if self.intra_op_threads < 0:  # torch.set_num_threads (and ORT's session options) refuse it mid-run
-            raise ConfigError(f"backend.intra_op_threads={self.intra_op_threads}: allowed: 0 (the default pool) "
-                              "or a number of threads")
 
     # The hooks ORTModule overrides: everything else in the loop is plain PyTorch.
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:

@@ -8,12 +8,13 @@ import importlib.util
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import numpy as np
 import torch
 
 from orchestrate import losses
+from orchestrate.schema import AT_LEAST_1, FRACTION, SEED
 
 
 class DataSet(Protocol):
@@ -99,8 +100,8 @@ def _split(x, y, eval_fraction: float, seed: int):
 class Digits(TensorData):
     """scikit-learn's bundled handwritten digits: 8x8 images flattened to 64 features, 10 classes."""
 
-    def __init__(self, num_features: int = 64, num_classes: int = 10, eval_fraction: float = 0.2,
-                 seed: int = 0, loss: str = "cross_entropy"):
+    def __init__(self, num_features: int = 64, num_classes: int = 10, eval_fraction: Annotated[float, FRACTION] = 0.2,
+                 seed: Annotated[int, SEED] = 0, loss: str = "cross_entropy"):
         if (num_features, num_classes) != (64, 10):
             raise ValueError("data.num_features and data.num_classes are fixed for digits: 64 and 10")
         # The file scikit-learn's load_digits reads (pixels 0-16, then the label), read without
@@ -122,8 +123,9 @@ class Synthetic(TensorData):
     outputs, for mse or l1) or `multilabel` (teacher outputs > 0, for bce_with_logits).
     """
 
-    def __init__(self, num_samples: int = 2048, num_features: int = 16, num_classes: int = 4,
-                 target: str = "classes", eval_fraction: float = 0.25, seed: int = 0,
+    def __init__(self, num_samples: Annotated[int, AT_LEAST_1] = 2048, num_features: Annotated[int, AT_LEAST_1] = 16,
+                 num_classes: Annotated[int, AT_LEAST_1] = 4, target: str = "classes",
+                 eval_fraction: Annotated[float, FRACTION] = 0.25, seed: Annotated[int, SEED] = 0,
                  loss: str = "cross_entropy"):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(num_samples, num_features, generator=g)
@@ -170,8 +172,9 @@ class PythonSource(TensorData):
     Each sample is `block_size` characters (`encode`); its target is the same window shifted by one."""
 
     def __init__(self, files: list[str] = ("functools.py", "argparse.py", "inspect.py"),
-                 block_size: int = 64, vocab_size: int = 96, max_chars: int = 300_000,
-                 eval_fraction: float = 0.1, loss: str = "cross_entropy"):
+                 block_size: Annotated[int, AT_LEAST_1] = 64, vocab_size: Annotated[int, AT_LEAST_1] = 96,
+                 max_chars: Annotated[int, AT_LEAST_1] = 300_000, eval_fraction: Annotated[float, FRACTION] = 0.1,
+                 loss: str = "cross_entropy"):
         text = "".join(read_stdlib(files))[:max_chars]
         ids = encode(text, vocab_size)
         n = (len(ids) - 1) // block_size
@@ -192,8 +195,10 @@ class PythonFiles(TensorData):
 
     def __init__(self, files: list[str] = ("argparse.py", "pydoc_data/topics.py", "encodings/cp437.py",
                                            "html/entities.py"),
-                 num_classes: int = 4, block_size: int = 64, vocab_size: int = 96, max_chars: int = 60_000,
-                 eval_fraction: float = 0.2, seed: int = 0, loss: str = "cross_entropy"):
+                 num_classes: Annotated[int, AT_LEAST_1] = 4, block_size: Annotated[int, AT_LEAST_1] = 64,
+                 vocab_size: Annotated[int, AT_LEAST_1] = 96, max_chars: Annotated[int, AT_LEAST_1] = 60_000,
+                 eval_fraction: Annotated[float, FRACTION] = 0.2, seed: Annotated[int, SEED] = 0,
+                 loss: str = "cross_entropy"):
         if num_classes != len(files):
             raise ValueError(f"data.num_classes={num_classes} must be the number of data.files ({len(files)})")
         ids = [encode(text[:max_chars], vocab_size) for text in read_stdlib(files)]

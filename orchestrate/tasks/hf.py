@@ -11,10 +11,13 @@ parameter names keep HF's own below that prefix) and returns its `.logits`.
 """
 
 import warnings
+from typing import Annotated
 
 import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from orchestrate.schema import AT_LEAST_1, PROBABILITY
 
 # "eager": HF's attention written out in matmul, softmax and where, the ops ORT's gradient builder
 # knows and that torch.onnx exports plainly at every opset; the default (SDPA) would hand each
@@ -27,8 +30,9 @@ class CausalLM(nn.Module):
     block_size, vocab_size). `dropout` sets all three of GPT-2's dropouts (embeddings, attention,
     residual); HF's default is 0.1."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 64,
-                 dropout: float = 0.1):
+    def __init__(self, vocab_size: Annotated[int, AT_LEAST_1], block_size: Annotated[int, AT_LEAST_1],
+                 n_layer: Annotated[int, AT_LEAST_1] = 2, n_head: Annotated[int, AT_LEAST_1] = 4,
+                 n_embd: Annotated[int, AT_LEAST_1] = 64, dropout: Annotated[float, PROBABILITY] = 0.1):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
@@ -56,8 +60,10 @@ class Classifier(nn.Module):
     (batch, block_size) -> class logits (batch, num_classes). `dropout` sets BERT's hidden,
     attention and classifier dropouts; HF's default is 0.1."""
 
-    def __init__(self, vocab_size: int, block_size: int, num_classes: int, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.1):
+    def __init__(self, vocab_size: Annotated[int, AT_LEAST_1], block_size: Annotated[int, AT_LEAST_1],
+                 num_classes: Annotated[int, AT_LEAST_1], n_layer: Annotated[int, AT_LEAST_1] = 2,
+                 n_head: Annotated[int, AT_LEAST_1] = 4, n_embd: Annotated[int, AT_LEAST_1] = 64,
+                 dropout: Annotated[float, PROBABILITY] = 0.1):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")

@@ -2,16 +2,20 @@
 and returns logits (or predictions) works the same way: set `model._target_` to it."""
 
 import math
+from typing import Annotated
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from orchestrate.schema import AT_LEAST_1, PROBABILITY
+
 
 class MLP(nn.Module):
     """Fully connected classifier/regressor: in_features -> hidden... -> out_features."""
 
-    def __init__(self, in_features: int, out_features: int, hidden: list[int] = (256, 256)):
+    def __init__(self, in_features: Annotated[int, AT_LEAST_1], out_features: Annotated[int, AT_LEAST_1],
+                 hidden: Annotated[list[int], AT_LEAST_1] = (256, 256)):
         super().__init__()
         sizes = [in_features, *hidden]
         layers: list[nn.Module] = []
@@ -30,7 +34,8 @@ class ConvNet(nn.Module):
     AdaptiveAvgPool2d to one value per channel, Dropout and a Linear head.
     Input (batch, in_features); output (batch, out_features) logits."""
 
-    def __init__(self, in_features: int, out_features: int, channels: list[int] = (16, 32), dropout: float = 0.1):
+    def __init__(self, in_features: Annotated[int, AT_LEAST_1], out_features: Annotated[int, AT_LEAST_1],
+                 channels: Annotated[list[int], AT_LEAST_1] = (16, 32), dropout: Annotated[float, PROBABILITY] = 0.1):
         super().__init__()
         self.side = math.isqrt(in_features)
         if self.side * self.side != in_features:
@@ -90,7 +95,9 @@ class CharTransformer(nn.Module):
     """A small GPT: token and position embeddings, pre-LayerNorm blocks, a linear head.
     Input (batch, block_size) token ids; output (batch, block_size, vocab_size) logits."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128):
+    def __init__(self, vocab_size: Annotated[int, AT_LEAST_1], block_size: Annotated[int, AT_LEAST_1],
+                 n_layer: Annotated[int, AT_LEAST_1] = 2, n_head: Annotated[int, AT_LEAST_1] = 4,
+                 n_embd: Annotated[int, AT_LEAST_1] = 128):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")

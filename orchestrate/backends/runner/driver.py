@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import ort, process, ray_cluster, schema
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.meter import Diverged
-from orchestrate.schema import ConfigError, Device
+from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
 from orchestrate.tracking import absolute_uri
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement group strategies
@@ -87,14 +87,14 @@ def engines(*flags: str) -> list[str]:
 class RunnerBackend(Backend):
     name: str
     engine: str  # the backend each worker runs: a conf/backend name (ortmodule, torch, ondevice)
-    cpus_per_worker: float  # Ray resources per worker; also sizes its torch and ORT thread pools
+    cpus_per_worker: Annotated[float, ABOVE_0]  # Ray resources per worker; also sizes its torch and ORT thread pools
     use_gpu: bool  # one GPU per worker, NCCL
     ray_address: Optional[str]  # an existing Ray cluster ("auto", "ray://..."); None: a local one
     placement_strategy: str  # how workers spread over nodes: one of STRATEGIES
-    placement_timeout_s: float  # give up (with what was asked and what is free) if not placed by then
+    placement_timeout_s: Annotated[float, ABOVE_0]  # give up (with what was asked and what is free) if not placed by then
     storage_path: Optional[str]  # Ray Train's checkpoint copies; shared storage on a multi-node cluster
-    max_failures: int  # worker failures survived: all workers restart from the latest checkpoint
-    average_every: int  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
+    max_failures: Annotated[int, AT_LEAST_0]  # worker failures survived: all workers restart from the latest checkpoint
+    average_every: Annotated[int, AT_LEAST_0]  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
     check_replicas: bool  # log train/replica_divergence (largest parameter gap between ranks)
     mapped_dimensions: dict[str, int]  # ORT's symbolic dimension -> size, handed to ORT engines
     log_level: str  # handed to ORT engines: ORT's output on the console from this level up (ort.LEVELS)
@@ -126,12 +126,6 @@ class RunnerBackend(Backend):
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         if self.placement_strategy not in STRATEGIES:
             raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
-        for key in ("cpus_per_worker", "placement_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"backend.{key}={getattr(self, key)}: must be above 0")
-        for key in ("max_failures", "average_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"backend.{key}={getattr(self, key)}: must be 0 or more")
         if t.resume and not engine.resumable:
             raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue from a "
                               f"checkpoint; allowed engines: {', '.join(engines('resumable'))}")
