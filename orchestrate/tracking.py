@@ -191,16 +191,28 @@ class Tracker(RunLogger):
         given = handed_over_run()
         uri = given[0] if given else cfg.tracking.uri
         # MLflow's quick HTTP settings from the run's first request on (RunLogger would set them
-        # only once the run is open); __exit__ gives them back.
+        # only once the run is open); __exit__ gives them back, and MLflow's process-wide URI (its
+        # set_tracking_uri also sets MLFLOW_TRACKING_URI, which tracking.uri defaults to).
+        from mlflow.tracking._tracking_service import utils as mlflow_utils
+
+        self.uri_before = mlflow_utils._tracking_uri
         env_before, self.outbox = quick_http(), None
+        env_before["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI")
         try:
             self._open(cfg, uri, given, run_name, tags, out_dir, resume_run_id)
         except BaseException:
             if self.outbox is not None:
                 self.outbox.close()
-            set_env(env_before)
+            self._give_back(env_before)
             raise
         self.env_before = env_before
+
+    def _give_back(self, env_before: dict[str, str | None]) -> None:
+        from mlflow.tracking._tracking_service import utils as mlflow_utils
+
+        if mlflow_utils._tracking_uri != self.uri_before:
+            mlflow_utils.set_tracking_uri(self.uri_before)
+        set_env(env_before)
 
     def _open(self, cfg: DictConfig, uri: str, given: tuple[str, str] | None, run_name: str, tags: dict[str, str],
               out_dir: Path, resume_run_id: str | None) -> None:
@@ -282,7 +294,7 @@ class Tracker(RunLogger):
                 log.warning(f"MLflow at {self.outbox.uri} did not take the run's end ({status}: {cause(e)}): "
                             f"run {self.run_id} stays RUNNING there")
             finally:
-                set_env(self.env_before)
+                self._give_back(self.env_before)
         return False
 
 

@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if "slow" not in item.keywords]
 
 
+# MLflow's variables are the defaults of tracking.uri and tracking.experiment: each test starts
+# from the environment the session started with (a user's shell may set them; the suite does not).
+MLFLOW_DEFAULTS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "ORCHESTRATE_TRACKING_URI", "MLFLOW_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def mlflow_environment(monkeypatch):
+    for name in MLFLOW_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_shared():
     """One local Ray with 2 CPUs on 127.0.0.1 for every in-process test that needs Ray (the runner,
