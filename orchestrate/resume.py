@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from orchestrate.schema import ConfigError
-from orchestrate.tracking import flatten
+from orchestrate.tracking import absolute_uri, flatten
 
 # Keys that may differ between a run and its continuation; every other key must be the same.
 RESUME_FREE = ("trainer.resume", "trainer.progress")
@@ -61,8 +61,9 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
     want = cfg.trainer.resume
     if not want:
         return None
-    uri = cfg.tracking.uri
-    store = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    uri = cfg.tracking.uri  # as the user wrote it, for messages
+    real = absolute_uri(uri)  # for MLflow: one store per URI string in a process
+    store = real[len("sqlite:///"):] if real.startswith("sqlite:///") else None
     if store is not None and not os.path.exists(store):  # do not create an empty store by asking
         if want == "auto":
             return None
@@ -70,7 +71,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client, key = MlflowClient(tracking_uri=uri), config_key(cfg)
+    client, key = MlflowClient(tracking_uri=real), config_key(cfg)
     if want == "auto":
         experiment = client.get_experiment_by_name(cfg.tracking.experiment)
         if experiment is None:
@@ -79,7 +80,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
                                   order_by=["attributes.start_time DESC"], max_results=50)
         runs = [r for r in runs if r.info.status != "FINISHED"]
         for run in runs:
-            point = _latest_checkpoint(client, run, uri)
+            point = _latest_checkpoint(client, run, real)
             if point is not None:
                 return point
         # Else a run of this config that diverged, continued with a lower learning rate.
@@ -88,7 +89,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
         for run in diverged:
             changed = differing(cfg, run)
             if "diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE):
-                point = _latest_checkpoint(client, run, uri)
+                point = _latest_checkpoint(client, run, real)
                 if point is not None:
                     point.changed = changed
                     return point
@@ -106,7 +107,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
             raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
                               f"{', '.join(list(changed)[:5]) or 'its keys'}); resume it with the same overrides"
                               f"{allowed}")
-    point = _latest_checkpoint(client, run, uri)
+    point = _latest_checkpoint(client, run, real)
     if point is None:
         raise ConfigError(f"trainer.resume={want}: that run has no checkpoint to resume from "
                           "(set trainer.checkpoint_period to checkpoint during a run)")
@@ -131,7 +132,7 @@ def close_orphans(cfg: DictConfig, run_id: str) -> list[str]:
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    client = MlflowClient(tracking_uri=absolute_uri(cfg.tracking.uri))
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is None:
         return []

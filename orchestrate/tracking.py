@@ -189,7 +189,9 @@ class Tracker(RunLogger):
 
         self.mlflow = mlflow
         given = handed_over_run()
-        uri = given[0] if given else cfg.tracking.uri
+        # Absolute: MLflow keeps one store per URI string for the process, and a relative SQLite
+        # path is another file once the working folder changes (a notebook, a test suite).
+        uri = given[0] if given else absolute_uri(cfg.tracking.uri)
         # MLflow's quick HTTP settings from the run's first request on (RunLogger would set them
         # only once the run is open); __exit__ gives them back, and MLflow's process-wide URI (its
         # set_tracking_uri also sets MLFLOW_TRACKING_URI, which tracking.uri defaults to).

@@ -71,7 +71,8 @@ def test_an_error_in_any_phase_is_one_line_an_exit_code_and_a_traceback_file(
         assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []
         assert code == 1  # a run was opened only where one failed
         failed = [r for r in runs if r.info.status == "FAILED" and "deliberate failure" in r.data.tags.get("error", "")]
-        assert failed and re.search(r"\(.*tests/helpers\.py:\d+\) at step \d", failed[0].data.tags["error"])
+        assert failed, [(r.info.status, r.data.tags.get("error")) for r in runs]
+        assert re.search(r"\(.*tests/helpers\.py:\d+\) at step \d", failed[0].data.tags["error"])
 
 
 def test_hydra_full_error_prints_the_traceback_too(tmp_path, monkeypatch, capsys):
