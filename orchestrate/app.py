@@ -14,7 +14,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, errors, plots, process, schema
 from orchestrate.job import Job
@@ -60,25 +60,41 @@ class Checked:
     models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
 
 
-def check(cfg: DictConfig, checked: Checked | None = None) -> None:
-    """Refuse bad input before anything is written or run: build the job once (data, model,
-    backend) and resolve `trainer.resume` (which only reads the store). Raises schema.ConfigError.
-    Checks of many configs share `checked`: each tracking URI is asked once, and a model is built
-    and run once per distinct model, data and seed."""
+def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
+    """The one way in: take a composed config to a checked, built job, or one schema.ConfigError,
+    before anything is written or run: the tracking store answers, the job builds (data, model,
+    backend: Job.prepare, every setting against its declared range), `trainer.resume` resolves
+    (which only reads the store). The command line checks a run with it (and the run takes the job
+    over: `keep`), and every trial of a sweep. Checks of many configs share `checked`: each
+    tracking URI is asked once, and a model is built and run once per distinct model, data and seed."""
+    shared = checked is not None
     checked = checked or Checked()
     uri = cfg.tracking.uri
     if uri not in checked.stores:  # first: a store that is not there fails in seconds, not minutes
         checked.stores[uri] = reachable(uri)
     if checked.stores[uri]:
         raise schema.ConfigError(checked.stores[uri])
-    Job.prepare(cfg, out_dir="unused", models=checked.models)
+    job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None)
     find_resume(cfg)
+    return job
+
+
+# The job a command checked, for its run to take over (`train`): by config, taken once.
+_KEPT: dict[str, Job] = {}
+
+
+def keep(cfg: DictConfig, job: Job) -> None:
+    """Hand `job` (checked for `cfg`) to the run of the same config in this process."""
+    _KEPT.clear()
+    _KEPT[OmegaConf.to_yaml(cfg)] = job
 
 
 def train(cfg: DictConfig, out_dir: Path) -> Result:
     """Train once as `cfg` says; the MLflow run holds everything the run produced. The process
     is left as it was found (thread counts, environment: orchestrate.process)."""
-    job = Job.prepare(cfg, out_dir)  # ConfigError here: nothing has been written anywhere yet
+    kept = _KEPT.pop(OmegaConf.to_yaml(cfg), None)  # the job the command checked, if it checked this config
+    # ConfigError here: nothing has been written anywhere yet.
+    job = kept.moved_to(cfg, out_dir) if kept is not None else Job.prepare(cfg, out_dir)
     in_sweep = handed_over_run() is not None  # a sweep's trial (MLflow's end_run takes the variable back)
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,

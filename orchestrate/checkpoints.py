@@ -156,7 +156,6 @@ def progress(step: int, job) -> dict[str, int]:
 def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, scheduler, job, scaler=None) -> None:
     """Everything a resume needs (the list of ORT's TrainingRunner): the `progress` counts,
     weights, optimizer, schedule and loss-scaler state, and every RNG state."""
-    np_state = np.random.get_state()
     # Through a Python file: a failed write then raises an OSError that says why (torch's own
     # writer would report only its position), found by write_cause.
     with open(path, "wb") as f:
@@ -166,10 +165,25 @@ def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, schedul
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler else None,
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "rng": rng_state(),
         }, f)
+
+
+def rng_state() -> dict:
+    """Every RNG state of the process (torch's, CUDA's, numpy's, Python's), as torch.save keeps it."""
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(rng: dict) -> None:
+    """Put back what `rng_state` returned."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state((rng["numpy"][0], rng["numpy"][1].numpy().astype(np.uint32), *rng["numpy"][2:]))
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def load_torch(source: Path | bytes) -> dict:
@@ -194,12 +208,7 @@ def restore_torch(state: dict, optimizer, scheduler, scaler=None, job=None) -> i
             group["lr"] = job.lr * job.trainer.lr_factor(state["step"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state((rng["numpy"][0], rng["numpy"][1].numpy().astype(np.uint32), *rng["numpy"][2:]))
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    set_rng_state(state["rng"])
     return state["step"]
 
 

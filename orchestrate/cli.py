@@ -109,7 +109,9 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
             # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
             cfg = compose(overrides) if compose else load_config([*hydra_overrides, *overrides], source)
             with app.head_start(cfg) if head_start else contextlib.nullcontext():
-                app.check(cfg, checked)
+                job = app.check(cfg, checked)
+            if head_start:  # the run's own command: the run takes the job over instead of building it again
+                app.keep(cfg, job)
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:

@@ -3,6 +3,7 @@ settings it reads (built once, plain objects, read-only), and the three helpers 
 the meter (steps, progress, metrics), the checkpoints, and the data-parallel context (one
 process unless the runner's workers say otherwise)."""
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import schema
+from orchestrate import checkpoints, schema
 from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
@@ -124,6 +125,9 @@ class Job:
     out_dir: Path
     parallel: Parallel = field(default_factory=Parallel)  # the runner's workers replace it
     resume_state: dict | None = None  # trainer.resume (or a restarted worker): the checkpoint to go on from
+    # Every RNG state right after the model was built from the seed: a run that takes over the
+    # job its command checked (`moved_to`) starts from them, as if it had built the model itself.
+    rng_after_build: dict | None = None
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,
@@ -138,19 +142,22 @@ class Job:
         backend = schema.build(cfg.backend, "backend")
         data = build_data(cfg.data)
         key = model_key(cfg) if models is not None else None
+        rng_after_build = None  # kept for a job built on its own (not from the checks' shared models)
         if key is not None and key in models:
             model = models[key]
         else:
             # Same seed right before building the model: every backend starts from the same weights.
             seed_everything(cfg.trainer.seed)
             model = schema.build(cfg.model, "model")
+            if key is None:
+                rng_after_build = checkpoints.rng_state()
             # Both would otherwise fail only inside the loop, after the MLflow run has opened.
             check_forward(model, data, cfg)
             if key is not None:
                 models[key] = model
         check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
-                  parallel=parallel or Parallel())
+                  parallel=parallel or Parallel(), rng_after_build=rng_after_build)
         backend.check_workers(job)
         if cfg.trainer.resume and not backend.resumable:
             raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
@@ -161,6 +168,14 @@ class Job:
         except ValueError as e:
             raise schema.ConfigError(str(e)) from None
         return job
+
+    def moved_to(self, cfg: DictConfig, out_dir: Path | str) -> "Job":
+        """This checked job for the run of `cfg` (the same config, as the run composed it),
+        writing to `out_dir`: the same built backend, data and model (nothing is built twice),
+        the RNG as it was right after the model's build."""
+        if self.rng_after_build is not None:
+            checkpoints.set_rng_state(self.rng_after_build)
+        return dataclasses.replace(self, cfg=cfg, out_dir=Path(out_dir))
 
     def __post_init__(self) -> None:
         # Plain objects, not DictConfig: an OmegaConf attribute read costs microseconds, and the

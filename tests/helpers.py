@@ -37,6 +37,15 @@ class FailingMLP(MLP):
         return super().forward(x)
 
 
+class CountingMLP(MLP):
+    """An MLP that appends a line to `count_file` each time it is built."""
+
+    def __init__(self, in_features: int, out_features: int, hidden=(32,), count_file: str = ""):
+        super().__init__(in_features, out_features, hidden)
+        with open(count_file, "a") as f:
+            f.write("built\n")
+
+
 class FailingInitMLP(MLP):
     """An MLP whose constructor raises: a bug in a user's model code."""
 

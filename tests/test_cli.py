@@ -190,3 +190,21 @@ def test_a_diverging_run_is_one_line_exit_1_naming_the_step_and_the_checkpoint_k
                                                "The last checkpoint before it, "), err
     assert str(Path("out") / "checkpoints" / "step_0000006.pt") in err[0]
     assert "trainer.on_nonfinite=skip" in err[0]
+
+
+def test_a_run_takes_over_the_job_its_command_checked(tmp_path, monkeypatch, capsys):
+    """The command builds the model once (for the check), and the run trains that model from the
+    same RNG state as a run that built its own: the same final losses as app.train."""
+    from orchestrate import app
+    from orchestrate.config import load_config
+
+    count = tmp_path / "builds.txt"
+    same = ["backend=torch", "data=synthetic", "trainer=quick", "trainer.progress=false",
+            "model._target_=tests.helpers.CountingMLP", f"+model.count_file={count}"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *same, "hydra.run.dir=out"])
+    main()
+    assert count.read_text().count("built") == 1
+    printed = capsys.readouterr().out
+    reference = app.train(load_config([*same, f"tracking.uri=sqlite:///{tmp_path}/ref.db"]), tmp_path / "ref")
+    assert f"final train loss   {reference.metrics['train_loss']:,.4f}" in printed
