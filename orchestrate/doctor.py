@@ -316,8 +316,10 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
         if needs_extensions(cfg) and not extensions_ok:
             # app.train would build them (minutes): the extensions' line above says how.
             return False, f"{what}: not run: ORTModule's C++ extensions are not built (see above)"
-        # In the scratch folder: MLflow puts a SQLite store's artifacts in ./mlruns.
+        # In the scratch folder: MLflow puts a SQLite store's artifacts in ./mlruns. Checked as the
+        # command line checks a run (app.check), which then trains the job it checked.
         with output_to(log), contextlib.chdir(scratch):
+            app.keep(cfg, app.check(cfg))
             result = app.train(cfg, scratch / name)
     except BaseException as e:  # a smoke run's failure is this check's result, whatever it is
         if isinstance(e, KeyboardInterrupt):
