@@ -46,6 +46,13 @@ class CountingMLP(MLP):
             f.write("built\n")
 
 
+class FftMLP(MLP):
+    """An MLP over the features' Fourier transform: torch runs it, ONNX has no operator for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.fft.fft(x).real)
+
+
 class FailingInitMLP(MLP):
     """An MLP whose constructor raises: a bug in a user's model code."""
 

@@ -63,6 +63,11 @@ CASES = [
     (["trainer.seed=-5"], "trainer.seed=-5: must be from 0 to 4294967295"),
     (["model=cnn", "model.dropout=2"], "model.dropout=2: must be from 0 to 1"),
     (["backend=runner", "backend.cpus_per_worker=0"], "backend.cpus_per_worker=0: must be above 0"),
+    # a model the backend cannot take, refused by the backend's own preparation in the up-front check
+    (["model._target_=tests.helpers.FftMLP"], "model (tests.helpers.FftMLP) cannot be exported by ORTModule at "
+                                               "opset 17: UnsupportedOperatorError: Exporting the operator 'aten::fft_fft'"),
+    (["backend=ondevice", "model._target_=tests.helpers.FftMLP"],
+     "model (tests.helpers.FftMLP) cannot be exported at backend.opset=15: UnsupportedOperatorError"),
     (["model._target_=torch.nn.Linear", "~model.hidden", "model.out_features=0"],
      "model (torch.nn.Linear): parameter weight has no elements (shape [0, 64]); check the model's sizes"),
     (["foo=1"], "foo: unknown key"),

@@ -11,7 +11,6 @@ the gradient graph and an optimizer graph; then the loop `module.train()`, `modu
 
 import fnmatch
 import inspect
-import io
 import math
 import re
 import tempfile
@@ -24,7 +23,7 @@ import torch
 
 from orchestrate import checkpoints, losses, ort, process
 from orchestrate.backends.base import Backend
-from orchestrate.backends.torch import declare_shape
+from orchestrate.backends.torch import declare_shape, export_for_training
 from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, Precision, shown, target_of
 
 # ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
@@ -228,6 +227,9 @@ class OnDeviceBackend(Backend):
             try:
                 with ort.stderr_logged():
                     self.generate_artifacts(job, Path(folder))
+            except torch.onnx.errors.OnnxExporterError as e:  # an operator ONNX lacks at this opset
+                raise ConfigError(f"model ({job.cfg.model._target_}) cannot be exported at backend.opset={self.opset}: "
+                                  f"{type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
             except RuntimeError as e:
                 found = re.search(r"gradient builder has not been registered: (\S+) for node (\S+)", str(e))
                 if found is None:
@@ -248,21 +250,10 @@ class OnDeviceBackend(Backend):
         model.eval()
         with torch.no_grad():
             logits = model(sample).shape  # declared in the eval graph, as torch's export declares it
-        buffer = io.BytesIO()
-        # The exporter traces one training-mode forward on the sample batch: BatchNorm updates its
-        # running statistics from it (in the model, and so in the exported initializers), Dropout
-        # draws from torch's RNG. Both are put back: the artifacts start from the model as built.
-        buffers = {n: b.clone() for n, b in model.named_buffers()}
-        model.train()
-        with torch.random.fork_rng(devices=[]):
-            torch.onnx.export(model, (sample,), buffer, input_names=["input"], output_names=["logits"],
-                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=self.opset,
-                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                              export_params=True)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        onnx_model = onnx.load_from_string(buffer.getvalue())
+        # The export's BatchNorm statistics (updated by its traced forward) are put back in the
+        # initializers too: the artifacts start from the model as built.
+        exported, buffers = export_for_training(model, sample, self.opset)
+        onnx_model = onnx.load_from_string(exported)
         for tensor in onnx_model.graph.initializer:
             if tensor.name in buffers:
                 tensor.CopyFrom(onnx.numpy_helper.from_array(buffers[tensor.name].numpy(), tensor.name))

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from orchestrate import ort
-from orchestrate.backends.torch import TorchBackend
+from orchestrate.backends.torch import TorchBackend, export_for_training
+from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
 
 
@@ -117,6 +118,10 @@ def ensure_extensions() -> None:
         raise RuntimeError("ORTModule was imported before its extensions were built: run the command again.")
 
 
+ORTMODULE_OPSET = 17  # onnxruntime-training 1.19.2's ORTModule exports at this opset (ORTMODULE_ONNX_OPSET_VERSION)
+_EXPORTS: dict[tuple[str, int], str | None] = {}  # (model config, opset) -> why it does not export, or None
+
+
 @dataclass
 class ORTModuleBackend(TorchBackend):
     # ORT's own default sizes the session's thread pool to the physical cores and spins, which made
@@ -136,6 +141,23 @@ class ORTModuleBackend(TorchBackend):
         if self.fp16_optimizer and not torch.cuda.is_available():
             raise ConfigError("backend.fp16_optimizer=true (FP16_Optimizer) needs CUDA, and this machine has none; "
                               "allowed here: backend.fp16_optimizer=false")
+        self.check_export(job)
+
+    def check_export(self, job) -> None:
+        """ORTModule exports the model on its first step, at its opset, inside the run: a model it
+        cannot export (an operator ONNX lacks) is refused here instead, before the run opens. The
+        answer is kept per model config and opset: a sweep's trials share their model."""
+        opset = int(self.options.get("ORTMODULE_ONNX_OPSET_VERSION", ORTMODULE_OPSET))
+        key = (model_key(job.cfg), opset)
+        if key not in _EXPORTS:
+            try:
+                export_for_training(job.model, job.data.sample_input(), opset)
+                _EXPORTS[key] = None
+            except Exception as e:  # noqa: BLE001 - whatever the exporter says is the reason
+                _EXPORTS[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        if _EXPORTS[key]:
+            raise ConfigError(f"model ({job.cfg.model._target_}) cannot be exported by ORTModule at opset {opset}: "
+                              f"{_EXPORTS[key]}")
 
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
         # ORTModule reads its ORTMODULE_* options from the environment when it is constructed (the

@@ -11,6 +11,7 @@ ModelUpdateStep (forward, backward, AllReduce, optimizer step, schedule step). W
 """
 
 import contextlib
+import io
 from dataclasses import dataclass
 from typing import Annotated
 from pathlib import Path
@@ -147,6 +148,29 @@ def evaluate(model: torch.nn.Module, job) -> tuple[float, float | None]:
         total += len(x)
     model.train()
     return loss_sum / total, (acc_sum / total if loss.accuracy is not None else None)
+
+
+def export_for_training(model: torch.nn.Module, sample: torch.Tensor, opset: int) -> tuple[bytes, dict]:
+    """The model as ORT's training paths export it (training mode, no constant folding, input
+    `input`, output `logits`, a dynamic batch): the ONNX bytes, and the model's buffers as they were
+    before. The exporter traces one training-mode forward: BatchNorm updates its running statistics
+    from it and Dropout draws from torch's RNG; both are put back (the model stays as built)."""
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    was_training = model.training
+    model.train()
+    out = io.BytesIO()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.onnx.export(model, (sample,), out, input_names=["input"], output_names=["logits"],
+                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                              export_params=True)
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        model.train(was_training)
+    return out.getvalue(), buffers
 
 
 def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset: int = 17) -> None:
