@@ -174,6 +174,14 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                      trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked)
+    if OmegaConf.select(cfg, "hydra.launcher.dry_run", default=False) and not plan.is_grid(cfg):
+        # A sampling sweeper (Optuna) picks each trial from the results before it: with nothing
+        # run there is no next trial, only the space it would sample from, checked above.
+        sweeper = str(cfg.hydra.sweeper._target_).rsplit(".", 1)[-1]
+        print(f"dry run: {sweeper} would run {OmegaConf.select(cfg, 'hydra.sweeper.n_trials', default='?')} "
+              f"trial(s), each drawn from: {' '.join(plan.search_space(cfg))}; every choice and both ends of "
+              "every interval were checked; nothing ran", flush=True)
+        sys.exit(0)
 
 
 def is_hydra(word: str) -> bool:

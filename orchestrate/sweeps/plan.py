@@ -52,6 +52,14 @@ def trials(cfg: DictConfig) -> list[list[str]]:
     return [[v[i % len(v)] for v in choices.values()] for i in range(most)]
 
 
+def search_space(cfg: DictConfig) -> list[str]:
+    """The sweep's overrides as written (`hydra.sweeper.params`, then the command line's sweeps)."""
+    node = OmegaConf.select(cfg, "hydra.sweeper.params")
+    params = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    return [f"{k}={v}" for k, v in params.items()] + [o for o in cfg.hydra.overrides.task
+                                                      if any(c in o for c in ",(")]
+
+
 def is_grid(cfg: DictConfig) -> bool:
     """Whether the sweeper runs exactly `trials(cfg)` (Hydra's basic sweeper), not a sample of them."""
     return OmegaConf.select(cfg, "hydra.sweeper._target_") in GRID_SWEEPERS

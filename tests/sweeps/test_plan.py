@@ -83,3 +83,18 @@ def test_a_bad_trial_stops_the_sweep_before_anything_runs(args, message, tmp_pat
     while left_running(pattern):
         assert time.monotonic() < deadline, left_running(pattern)
         time.sleep(0.2)
+
+
+def test_a_dry_run_of_a_sampling_sweep_prints_its_space_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """Optuna picks each trial from the results before it: a dry run has no next trial to show,
+    so it shows the space it would sample from (checked at every choice and interval end)."""
+    from orchestrate.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "+experiment=lr_search", "+sweep", "+dry_run"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "dry run: OptunaSweeper would run 8 trial(s), each drawn from: optimizer.lr=tag(log, interval(" in out
+    assert list(tmp_path.iterdir()) == []
