@@ -188,7 +188,8 @@ class Job:
         t = self.trainer
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
-                           paused=lambda: self.checkpoints.seconds, agree=self.parallel.agree)
+                           paused=lambda: self.checkpoints.seconds,
+                           update_allowed=self.parallel.update_allowed)
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""

@@ -32,13 +32,13 @@ class Diverged(RuntimeError):
 class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
-                 agree: Callable[[bool], bool] = lambda ok: ok):
+                 update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
         self.tracker = tracker  # orchestrate.tracking.RunLogger, or None (not tracked, or not rank 0)
         self.logging = logging  # False on the runner's other workers: no bar, no evaluation
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
-        self.agree = agree  # the runner's workers: true on every rank (a collective), else the flag itself
+        self.update_allowed = update_allowed  # the runner's workers decide alike (Parallel.update_allowed)
         self.skipped = 0  # updates dropped for a nan or inf loss (trainer.on_nonfinite=skip)
         self.step = 0  # the step under way (0: training has not begun)
         self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
@@ -68,12 +68,14 @@ class Meter:
     def displaying(self, step: int) -> bool:
         return self.trainer.due(step, self.trainer.display_loss_steps)
 
-    def finite(self, step: int, loss: float, grad_norm: float | None = None) -> bool:
+    def finite(self, step: int, loss: float, grad_norm: float | None = None,
+               grads: Callable[[], list] = lambda: []) -> bool:
         """Before the update, on every rank: True to apply it. A nan or inf loss (or gradient norm,
         where the loop computed one) raises Diverged (trainer.on_nonfinite=stop) before the
         weights change, or drops this update (skip, counted in train/skipped_steps). On the
-        runner every rank takes the same decision (one all-reduce of a flag)."""
-        if self.agree(math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
+        runner every rank takes the same decision, from `grads()` (the all-reduced gradients)."""
+        finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+        if self.update_allowed(finite, grads):
             return True
         if self.trainer.on_nonfinite == NonFinite.stop:
             if not math.isfinite(loss):

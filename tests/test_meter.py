@@ -54,7 +54,7 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run_naming_what_and_where(
     with pytest.raises(Diverged, match="^gradient norm became nan at step 4$"):
         meter.finite(4, 0.5, grad_norm=float("nan"))
     # The runner: this rank's numbers are fine, another worker's are not; every rank stops alike.
-    meter.agree = lambda ok: False
+    meter.update_allowed = lambda finite, grads: False
     with pytest.raises(Diverged, match="^loss became nan or inf on another worker at step 5$"):
         meter.finite(5, 0.5)
 

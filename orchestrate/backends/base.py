@@ -6,7 +6,7 @@ is one file in this folder plus one file in conf/backend/ whose `_target_` names
 """
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -66,6 +66,8 @@ class Backend(ABC):
           micro-batches inside `job.parallel.accumulating`), `job.parallel.all_reduce_`,
           `job.parallel.replica_metrics` and `job.parallel.agree`. A rank that stops before
           `max_steps` does so only when every rank does (`agree` on it first).
+        - Every rank calls `job.meter.finite` before each update (with the gradients about to be
+          applied: on the runner every rank decides from the all-reduced ones, alike).
         - Every rank calls `job.meter` (`steps`, `record`, `evaluate`, `log`) and
           `job.checkpoints.save` at the same steps: the meter logs to MLflow and the checkpoints
           are written only on the logging rank, and each rank reports to Ray Train on `save`.
@@ -142,3 +144,9 @@ class Parallel:
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker: alone, the flag itself."""
         return flag
+
+    def update_allowed(self, finite: bool, grads: Callable[[], list[torch.Tensor]]) -> bool:
+        """Whether this step's update goes ahead, decided alike on every rank: `finite` is this
+        rank's own loss (and gradient norm); `grads()` the gradients about to be applied. Alone,
+        `finite` itself."""
+        return finite

