@@ -101,8 +101,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             "data": cfg.data._target_, "config_key": config_key(cfg)}
     # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not.
     # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
-    tracker = None
-    with process.kept(), process.stop_on_signals(), job.backend.connect(job), errors.marking(lambda: tracker):
+    with process.kept(), process.stop_on_signals(), job.backend.connect(job):
         resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
         if resume is not None:
             job.resume_state = checkpoints.load_checked(job.backend, job.model,

@@ -55,7 +55,7 @@ def explain(e: Exception, overrides: list[str], source: ConfigSource = ORCHESTRA
         # A YAML file of the user's own (--config-dir, --config-path): where, and PyYAML's words.
         mark = cause.problem_mark
         said = "; ".join(str(p) for p in (cause.context, cause.problem) if p)
-        return f"{shown_path(mark.name)}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({said})"
+        return f"{errors.shown_path(mark.name)}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({said})"
     if isinstance(cause, yaml.YAMLError):
         return f"not valid YAML ({str(cause).splitlines()[0]})"
     if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
@@ -122,9 +122,9 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
                  f"({str(e).splitlines()[0]})")
         file = file_being_read(e)
         if file is not None:  # e.g. a user's YAML file that holds one value, not keys and values
-            fail(f"{trial}{shown_path(file)}: not a config of keys and values ({str(e).splitlines()[0]})")
+            fail(f"{trial}{errors.shown_path(file)}: not a config of keys and values ({str(e).splitlines()[0]})")
         # The user's own code (a model, a data set) failed in the up-front check: nothing ran.
-        errors.report(f"{trial}{errors.one_line(e, getattr(e, 'orchestrate_what', '') or 'the up-front check')}", e)
+        errors.report(f"{trial}{errors.one_line(e, 'the up-front check')}", e)
         sys.exit(2)
 
 
@@ -136,12 +136,6 @@ def file_being_read(e: BaseException) -> str | None:
             found = tb.tb_frame.f_locals["full_path"]
         tb = tb.tb_next
     return found
-
-
-def shown_path(path: str) -> str:
-    """A path as the user would type it: relative to the working folder when inside it."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
 
 
 def raised_by_hydra(e: BaseException) -> bool:

@@ -15,11 +15,10 @@ import sys
 import sysconfig
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-PACKAGE = str(Path(__file__).resolve().parent)
+PACKAGE = str(Path(__file__).resolve().parent) + os.sep
 # Frames of these folders are the machinery around the user's code, not where an error came from.
 LIBRARY_FOLDERS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
@@ -36,16 +35,22 @@ def origin(error: BaseException) -> str | None:
             path = os.path.abspath(frame.filename)
             if path.startswith(PACKAGE) or path.startswith(LIBRARY_FOLDERS) or frame.filename.startswith("<"):
                 continue
-            shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
-            return f"{shown}:{frame.lineno}"
+            return f"{shown_path(path)}:{frame.lineno}"
         error = error.__cause__ or error.__context__
     return None
 
 
+def shown_path(path: str) -> str:
+    """A path as the user would type it: relative to the working folder when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def one_line(error: BaseException, what: str = "") -> str:
-    """`what: ExceptionType: first line of its message (file:line) at step N`, the parts known."""
+    """`what: ExceptionType: first line of its message (file:line) at step N`, the parts known;
+    the config key the error itself names (`mark(what=...)`) before the caller's `what`."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    what = what or getattr(error, "orchestrate_what", "")
+    what = getattr(error, "orchestrate_what", "") or what
     parts = [f"{what}: " if what else "", type(error).__name__, f": {text}" if text else ""]
     where = origin(error)
     if where:
@@ -64,19 +69,6 @@ def mark(error: BaseException, **facts) -> None:
             setattr(error, f"orchestrate_{name}", value)
         except AttributeError:  # an exception type that takes no attributes: its line says less
             pass
-
-
-@contextlib.contextmanager
-def marking(tracker: Callable[[], Any]) -> Iterator[None]:
-    """Around a run: an error that leaves it is marked with the MLflow run that `tracker()` (the
-    run's Tracker, or None before it opened) marked FAILED."""
-    try:
-        yield
-    except Exception as e:
-        opened = tracker()
-        if opened is not None:
-            mark(e, run=opened.run_id)
-        raise
 
 
 def write_traceback(error: BaseException, log_file: str | Path | None = None) -> Path:

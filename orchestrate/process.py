@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from orchestrate import ort
+from orchestrate import ort, tracking
 
 
 @contextlib.contextmanager
@@ -25,7 +25,7 @@ def kept() -> Iterator[None]:
     logging setup (logger levels, handler filters, whether Python warnings go to logging), ORT's
     default logger severity and the SIGINT and SIGTERM handlers on the way out (Ray Train's
     `fit` installs a SIGINT handler of its own and never takes it back)."""
-    threads, environ, mlflow_uri = torch.get_num_threads(), dict(os.environ), _mlflow_uri()
+    threads, environ, uri = torch.get_num_threads(), dict(os.environ), tracking.mlflow_uri()
     logs, severity = _logging_state(), ort.default_severity()
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS} if _main_thread() else {}
     try:
@@ -37,10 +37,7 @@ def kept() -> Iterator[None]:
         _restore_logging(logs)
         if ort.default_severity() != severity:
             ort.set_default_severity(severity)
-        utils = sys.modules.get(MLFLOW_URI_MODULE)
-        if utils is not None and utils._tracking_uri != mlflow_uri:
-            # Where MLflow's own `_use_tracking_uri` puts it back (None: never set).
-            utils.set_tracking_uri(mlflow_uri)
+        tracking.set_mlflow_uri(uri)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         for key in [k for k in os.environ if k not in environ]:
@@ -120,15 +117,6 @@ def reinstall_handlers() -> None:
 
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-MLFLOW_URI_MODULE = "mlflow.tracking._tracking_service.utils"  # holds `_tracking_uri`
-
-
-def _mlflow_uri() -> str | None:
-    """MLflow's process-wide tracking URI as set (None: unset, or MLflow not imported yet)."""
-    utils = sys.modules.get(MLFLOW_URI_MODULE)
-    return utils._tracking_uri if utils is not None else None
 
 
 def _logging_state() -> tuple[dict, dict, bool]:

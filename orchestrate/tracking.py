@@ -103,6 +103,24 @@ def set_env(values: dict[str, str | None]) -> dict[str, str | None]:
     return before
 
 
+MLFLOW_URI_MODULE = "mlflow.tracking._tracking_service.utils"  # holds `_tracking_uri`
+
+
+def mlflow_uri() -> str | None:
+    """MLflow's process-wide tracking URI as set (None: unset, or MLflow not imported yet)."""
+    utils = sys.modules.get(MLFLOW_URI_MODULE)
+    return utils._tracking_uri if utils is not None else None
+
+
+def set_mlflow_uri(uri: str | None) -> None:
+    """Put MLflow's process-wide tracking URI back to `uri` (what `mlflow_uri` returned), where
+    MLflow's own `_use_tracking_uri` puts it back (None: never set). MLflow's `set_tracking_uri`
+    also sets MLFLOW_TRACKING_URI: restore the environment after this."""
+    utils = sys.modules.get(MLFLOW_URI_MODULE)
+    if utils is not None and utils._tracking_uri != uri:
+        utils.set_tracking_uri(uri)
+
+
 def quick_http() -> dict[str, str | None]:
     """QUICK_HTTP where the user set nothing; returns what to give `set_env` back."""
     return set_env({k: v for k, v in QUICK_HTTP.items() if k not in os.environ})
@@ -195,9 +213,7 @@ class Tracker(RunLogger):
         # MLflow's quick HTTP settings from the run's first request on (RunLogger would set them
         # only once the run is open); __exit__ gives them back, and MLflow's process-wide URI (its
         # set_tracking_uri also sets MLFLOW_TRACKING_URI, which tracking.uri defaults to).
-        from mlflow.tracking._tracking_service import utils as mlflow_utils
-
-        self.uri_before = mlflow_utils._tracking_uri
+        self.uri_before = mlflow_uri()
         env_before, self.outbox = quick_http(), None
         env_before["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI")
         try:
@@ -210,10 +226,7 @@ class Tracker(RunLogger):
         self.env_before = env_before
 
     def _give_back(self, env_before: dict[str, str | None]) -> None:
-        from mlflow.tracking._tracking_service import utils as mlflow_utils
-
-        if mlflow_utils._tracking_uri != self.uri_before:
-            mlflow_utils.set_tracking_uri(self.uri_before)
+        set_mlflow_uri(self.uri_before)
         set_env(env_before)
 
     def _open(self, cfg: DictConfig, uri: str, given: tuple[str, str] | None, run_name: str, tags: dict[str, str],
@@ -287,6 +300,7 @@ class Tracker(RunLogger):
                 self.set_tags({"error": str(exc), "diverged_at": str(exc.step)})
             else:
                 self.set_tags({"error": errors.one_line(exc)[:5000]})
+            errors.mark(exc, run=self.run_id)  # the boundary's line says which run is FAILED
         try:
             self.outbox.close()  # bounded: a server still away gets END_WAIT_S, then the file
         finally:

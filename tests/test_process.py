@@ -69,7 +69,7 @@ class ThreadsSeen:
 def test_ortmodule_then_torch_in_one_process(make_cfg, tmp_path, monkeypatch):
     from orchestrate.backends.torch import TorchBackend
 
-    from orchestrate.process import _mlflow_uri
+    from orchestrate.tracking import mlflow_uri as _mlflow_uri
 
     threads, environ, mlflow_uri = torch.get_num_threads(), dict(os.environ), _mlflow_uri()
     assert threads > 1, "needs a machine with more than one core to tell the thread counts apart"
