@@ -83,10 +83,12 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
 _KEPT: dict[str, Job] = {}
 
 
-def keep(cfg: DictConfig, job: Job) -> None:
-    """Hand `job` (checked for `cfg`) to the run of the same config in this process."""
+def keep(cfg: DictConfig | None, job: Job | None = None) -> None:
+    """Hand `job` (checked for `cfg`) to the run of the same config in this process; `keep(None)`
+    drops a job no run took (the command stopped before its run)."""
     _KEPT.clear()
-    _KEPT[OmegaConf.to_yaml(cfg)] = job
+    if cfg is not None:
+        _KEPT[OmegaConf.to_yaml(cfg)] = job
 
 
 def train(cfg: DictConfig, out_dir: Path) -> Result:

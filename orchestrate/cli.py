@@ -320,6 +320,7 @@ def main() -> None:
         errors.report(errors.one_line(e, "the sweep" if multirun else ""), e)
         sys.exit(1 if ran else 2)
     finally:
+        app.keep(None)  # the checked job, if Hydra stopped before its run took it
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.

@@ -231,19 +231,41 @@ class Outbox:
         return None
 
     def _write(self, items: list) -> None:
-        from mlflow.entities import Metric
-
         self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.unsent_file, "a") as f:
             for item in items:
-                if isinstance(item, Metric):
-                    row = {"run_id": self.run_id, "metric": item.key, "value": item.value,
-                           "timestamp": item.timestamp, "step": item.step}
-                elif isinstance(item, Artifact):
-                    row = {"run_id": self.run_id, "artifact": item.path, "artifact_path": item.artifact_path}
-                else:
-                    row = {"run_id": self.run_id, "tag": item.key, "value": item.value}
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(to_row(self.run_id, item)) + "\n")
+
+
+# The unsent file, one JSON object a line: written by the outbox, read back by `orchestrate sync`.
+def to_row(run_id: str, item) -> dict:
+    from mlflow.entities import Metric
+
+    if isinstance(item, Metric):
+        return {"run_id": run_id, "metric": item.key, "value": item.value, "timestamp": item.timestamp,
+                "step": item.step}
+    if isinstance(item, Artifact):
+        return {"run_id": run_id, "artifact": item.path, "artifact_path": item.artifact_path}
+    return {"run_id": run_id, "tag": item.key, "value": item.value}
+
+
+def read_unsent(path: Path) -> dict[str, list]:
+    """An unsent file's items (Metric, RunTag, Artifact), in the order written, by run id."""
+    from mlflow.entities import Metric, RunTag
+
+    by_run: dict[str, list] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "metric" in row:
+            item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
+        elif "tag" in row:
+            item = RunTag(row["tag"], row["value"])
+        else:
+            item = Artifact(row["artifact"], row.get("artifact_path"))
+        by_run.setdefault(row["run_id"], []).append(item)
+    return by_run
 
 
 class ThreadFilter(logging.Filter):

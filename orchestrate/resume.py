@@ -88,7 +88,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
                                       order_by=["attributes.start_time DESC"], max_results=50)
         for run in diverged:
             changed = differing(cfg, run)
-            if "diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE):
+            if recoverable(run, changed):
                 point = _latest_checkpoint(client, run, real)
                 if point is not None:
                     point.changed = changed
@@ -101,7 +101,7 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
     changed = {}
     if run.data.tags.get("config_key") != key:
         changed = differing(cfg, run)
-        if not ("diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE)):
+        if not recoverable(run, changed):
             allowed = (f"; a run that diverged may change {' and '.join(RECOVERY_FREE)} only"
                        if "diverged_at" in run.data.tags else "")
             raise ConfigError(f"trainer.resume={want}: that run was started with another config (differs at "
@@ -113,6 +113,11 @@ def find_resume(cfg: DictConfig) -> ResumePoint | None:
                           "(set trainer.checkpoint_period to checkpoint during a run)")
     point.changed = changed
     return point
+
+
+def recoverable(run, changed: dict) -> bool:
+    """Whether a run that diverged may go on with these keys changed (RECOVERY_FREE only)."""
+    return "diverged_at" in run.data.tags and set(changed) <= set(RECOVERY_FREE)
 
 
 def differing(cfg: DictConfig, run) -> dict[str, tuple[str, str]]:

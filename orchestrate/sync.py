@@ -17,12 +17,11 @@ when the server did not take it all, 2 for bad arguments.
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from orchestrate.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, upload
+from orchestrate.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, read_unsent, upload
 from orchestrate.redact import HIDDEN, redact_text
 
 SENT_SUFFIX = ".sent"
@@ -33,16 +32,7 @@ def send_unsent(client, path: Path) -> int:
     `*.sent`; returns how many items went out. Any error of the client propagates: the file stays."""
     from mlflow.entities import Metric, RunTag
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by_run: dict[str, list] = {}
-    for row in rows:
-        if "metric" in row:
-            item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
-        elif "tag" in row:
-            item = RunTag(row["tag"], row["value"])
-        else:
-            item = Artifact(row["artifact"], row.get("artifact_path"))
-        by_run.setdefault(row["run_id"], []).append(item)
+    by_run = read_unsent(path)
     for run_id, items in by_run.items():
         metrics = [i for i in items if isinstance(i, Metric)]
         tags = [i for i in items if isinstance(i, RunTag)]
@@ -53,7 +43,7 @@ def send_unsent(client, path: Path) -> int:
         for artifact in (i for i in items if isinstance(i, Artifact)):
             upload(client, run_id, artifact)
     path.rename(path.with_name(path.name + SENT_SUFFIX))
-    return len(rows)
+    return sum(len(items) for items in by_run.values())
 
 
 def folder_uri(folder: Path) -> str | None:
