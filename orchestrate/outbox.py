@@ -250,21 +250,25 @@ def to_row(run_id: str, item) -> dict:
 
 
 def read_unsent(path: Path) -> dict[str, list]:
-    """An unsent file's items (Metric, RunTag, Artifact), in the order written, by run id."""
+    """An unsent file's items (Metric, RunTag, Artifact), in the order written, by run id; a
+    ValueError naming the line that is not one of them."""
     from mlflow.entities import Metric, RunTag
 
     by_run: dict[str, list] = {}
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if "metric" in row:
-            item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
-        elif "tag" in row:
-            item = RunTag(row["tag"], row["value"])
-        else:
-            item = Artifact(row["artifact"], row.get("artifact_path"))
-        by_run.setdefault(row["run_id"], []).append(item)
+        try:
+            row = json.loads(line)
+            if "metric" in row:
+                item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
+            elif "tag" in row:
+                item = RunTag(row["tag"], row["value"])
+            else:
+                item = Artifact(row["artifact"], row.get("artifact_path"))
+            by_run.setdefault(row["run_id"], []).append(item)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: not a line the outbox writes ({type(e).__name__}: {e})") from None
     return by_run
 
 

@@ -27,12 +27,13 @@ from orchestrate.redact import HIDDEN, redact_text
 SENT_SUFFIX = ".sent"
 
 
-def send_unsent(client, path: Path) -> int:
-    """Send the rows of an unsent file (`path`) through `client`, batch by batch, then rename it
-    `*.sent`; returns how many items went out. Any error of the client propagates: the file stays."""
+def send_unsent(client, path: Path, by_run: dict[str, list] | None = None) -> int:
+    """Send the rows of an unsent file (`path`; `by_run`: read already) through `client`, batch by
+    batch, then rename it `*.sent`; returns how many items went out. Any error of the client
+    propagates: the file stays."""
     from mlflow.entities import Metric, RunTag
 
-    by_run = read_unsent(path)
+    by_run = read_unsent(path) if by_run is None else by_run
     for run_id, items in by_run.items():
         metrics = [i for i in items if isinstance(i, Metric)]
         tags = [i for i in items if isinstance(i, RunTag)]
@@ -85,7 +86,12 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr)
                 return 2
             try:
-                sent = send_unsent(MlflowClient(tracking_uri=uri), path)
+                items = read_unsent(path)  # before any store is opened: a SQLite one would be created
+            except ValueError as e:  # read_unsent names the line
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            try:
+                sent = send_unsent(MlflowClient(tracking_uri=uri), path, items)
             except Exception as e:  # noqa: BLE001 - one line per folder, the file stays for next time
                 print(f"error: {folder}: MLflow at {redact_text(uri)} did not take it ({cause(e)}); "
                       f"{path} is kept: run this again later", file=sys.stderr)

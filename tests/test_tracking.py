@@ -267,24 +267,26 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
     the same run, each point once, and a second sync sends nothing."""
     from orchestrate import sync
     from orchestrate.server import MlflowServer
+    from tests.helpers import free_port
 
-    store, artifacts = f"sqlite:///{tmp_path}/server.db", tmp_path / "artifacts"
+    # The run is made in the server's store directly (one server start, not two); the server's
+    # port answers nothing until the server starts, after the run and the first sync.
+    store, artifacts, port = f"sqlite:///{tmp_path}/server.db", tmp_path / "artifacts", free_port()
+    client = client_for(store)
+    run_id = client.create_run(client.create_experiment("sync")).info.run_id
+    away = f"http://127.0.0.1:{port}"
     with open(tmp_path / "server.log", "w") as log:
-        server = MlflowServer(store, artifacts, log=log)
-        client = client_for(server.uri)
-        run_id = client.create_run(client.create_experiment("sync")).info.run_id
-        server.stop()
-        logger = RunLogger(server.uri, run_id, tmp_path / "out")
+        logger = RunLogger(away, run_id, tmp_path / "out")
         for step in range(1, 21):
             logger.log_metrics({"train/loss": 1.0 / step}, step=step)
         logger.set_tags({"after": "outage"})
         assert not logger.close(wait_s=2)
         assert (tmp_path / "out" / UNSENT_FILE).is_file()
 
-        assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 1  # still away: kept
+        assert sync.main([str(tmp_path / "out"), "--tracking-uri", away]) == 1  # still away: kept
         assert "did not take it" in capsys.readouterr().err and (tmp_path / "out" / UNSENT_FILE).is_file()
 
-        server = MlflowServer(store, artifacts, port=server.port, log=log)
+        server = MlflowServer(store, artifacts, port=port, log=log)
         try:
             assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
             assert "sent 21 item(s)" in capsys.readouterr().out
@@ -307,6 +309,10 @@ def test_sync_refuses_what_it_cannot_place_with_one_line(tmp_path, capsys, monke
     (tmp_path / "run" / UNSENT_FILE).write_text("{}\n")
     assert sync.main([str(tmp_path / "run")]) == 2
     assert "Give --tracking-uri" in capsys.readouterr().err
+    (tmp_path / "run" / UNSENT_FILE).write_text('{"run_id": "x", "metric": "loss"}\n')
+    assert sync.main([str(tmp_path / "run"), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'run' / UNSENT_FILE}:1: not a line the outbox writes")
+    assert not (tmp_path / "m.db").exists()  # refused before any store was opened
 
 
 def test_a_resumed_run_first_sends_what_its_last_attempt_kept(make_cfg, tmp_path):
