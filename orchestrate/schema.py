@@ -3,6 +3,7 @@ composition, before any compute. Groups whose objects are built with `_target_` 
 data, optimizer) are checked against their target's signature when they are built (`build`)."""
 
 import enum
+import functools
 import inspect
 import math
 import re
@@ -80,6 +81,7 @@ PROBABILITY = Range(0, 1)  # dropout
 SEED = Range(0, 2**32 - 1)  # what numpy's and torch's generators take
 
 
+@functools.cache  # a class's annotations do not change; a sweep's check builds each class per trial
 def ranges_of(target: Any) -> dict[str, Range]:
     """Each field's (a dataclass) or constructor parameter's declared Range, by name."""
     import typing
