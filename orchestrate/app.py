@@ -21,6 +21,7 @@ from orchestrate.job import Job
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
 from orchestrate.resume import close_orphans, config_key, find_resume
+from orchestrate.sweeps import pruning
 from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
 
 
@@ -98,6 +99,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     # ConfigError here: nothing has been written anywhere yet.
     job = kept.moved_to(cfg, out_dir) if kept is not None else Job.prepare(cfg, out_dir)
     in_sweep = handed_over_run() is not None  # a sweep's trial (MLflow's end_run takes the variable back)
+    job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
             "data": cfg.data._target_, "config_key": config_key(cfg)}
@@ -130,7 +132,11 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                 raise
             job.meter.close()
             metrics = job.meter.summary()
-            tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=cfg.trainer.max_steps)
+            pruned_at = metrics.get("pruned_at")  # the runner's meter has it from rank 0's summary
+            if pruned_at is not None:  # FINISHED, early: the sweep's pruner stopped it there
+                tracker.set_tags({"pruned": str(int(pruned_at))})
+            last = int(pruned_at or cfg.trainer.max_steps)
+            tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=last)
             png = plots.loss_curves({job.backend.name: job.meter.history}, job.out_dir / "loss_curves.png",
                                     title=choices)
             tracker.log_artifact(png)
@@ -141,7 +147,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
 
 def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> None:
     m = result.metrics
-    lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"]
+    lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"
+             if "pruned_at" not in m else f"backend {job.backend.name}: stopped by the sweep's pruner at step "
+             f"{m['pruned_at']:.0f} of {cfg.trainer.max_steps}, in {m.get('wall_time_s', 0):.1f} s"]
     for key, label in [("train_loss", "final train loss"), ("eval_loss", "eval loss"),
                        ("eval_accuracy", "eval accuracy"), ("samples_per_sec", "samples/s"),
                        ("step_time_ms", "step time (ms)")]:

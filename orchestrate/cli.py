@@ -22,7 +22,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from hydra.types import RunMode
 
 from orchestrate import app, errors, schema
-from orchestrate.config import Composer, ConfigSource, group_options, load_config, ORCHESTRATE
+from orchestrate.config import Composer, ConfigSource, group_options, load_config, searching, ORCHESTRATE
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -108,7 +108,7 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
         with contextlib.redirect_stderr(io.StringIO()):
             # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
             cfg = compose(overrides) if compose else load_config([*hydra_overrides, *overrides], source)
-            with app.head_start(cfg) if head_start else contextlib.nullcontext():
+            with app.head_start(cfg) if head_start else contextlib.nullcontext(), searching(source):
                 job = app.check(cfg, checked)
             if head_start:  # the run's own command: the run takes the job over instead of building it again
                 app.keep(cfg, job)

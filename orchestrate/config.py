@@ -69,6 +69,20 @@ class ConfigSource:
 
 
 ORCHESTRATE = ConfigSource()
+_SEARCHED = [ORCHESTRATE]  # where a composition without a source of its own looks (`searching`)
+
+
+@contextlib.contextmanager
+def searching(source: ConfigSource) -> Iterator[None]:
+    """While the block runs, `load_config` and `group_options` called without a source compose from
+    `source`'s folders, as they do from the app's own inside the running app: a command's check then
+    finds a backend named by another setting (the runner's `backend.engine`, backend=auto's
+    candidates) in the user's `--config-dir`, where its run will find it."""
+    _SEARCHED.append(source)
+    try:
+        yield
+    finally:
+        _SEARCHED.pop()
 
 
 @contextlib.contextmanager
@@ -96,11 +110,12 @@ def _hydra(source: ConfigSource = ORCHESTRATE) -> Iterator[None]:
         GlobalHydra.instance().clear()
 
 
-def load_config(overrides: list[str] = (), source: ConfigSource = ORCHESTRATE,
+def load_config(overrides: list[str] = (), source: ConfigSource | None = None,
                 run_mode: RunMode = RunMode.RUN, with_hydra: bool = False) -> DictConfig:
     """Compose the primary config (`conf/config.yaml` unless `source` names the user's own) with
     command-line style overrides, `hydra.*` ones included (`hydra.searchpath=[file://DIR]`). Inside
-    a running app, its own primary config and search path."""
+    a running app, its own primary config and search path; without `source`, `searching`'s."""
+    source = source or _SEARCHED[-1]
     with _hydra(source):
         config_name = source.config_name
         if HydraConfig.initialized():
@@ -156,7 +171,8 @@ class Composer:
         return cfg
 
 
-def group_options(group: str, source: ConfigSource = ORCHESTRATE) -> list[str]:
-    """The options of a config group on the search path, e.g. the backends."""
-    with _hydra(source):
+def group_options(group: str, source: ConfigSource | None = None) -> list[str]:
+    """The options of a config group on the search path, e.g. the backends (without `source`,
+    `searching`'s)."""
+    with _hydra(source or _SEARCHED[-1]):
         return GlobalHydra.instance().config_loader().get_group_options(group)

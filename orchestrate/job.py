@@ -189,7 +189,7 @@ class Job:
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
                            paused=lambda: self.checkpoints.seconds,
-                           update_allowed=self.parallel.update_allowed)
+                           update_allowed=self.parallel.update_allowed, agree=self.parallel.agree)
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""

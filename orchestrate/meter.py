@@ -5,6 +5,9 @@ TensorBoard. Every backend's loop reports through it, so every backend logs the 
 
   train/loss, perf/samples_per_sec, perf/step_time_ms, lr      every trainer.display_loss_steps
   eval/loss, eval/accuracy                                       every trainer.evaluation_period
+
+In a pruning sweep (hydra/sweeper=orchestrate_optuna) the meter also tells the trial's study every
+evaluation, and `stop_early` ends the loop at the step where the study's pruner says so.
 """
 
 import bisect
@@ -32,13 +35,20 @@ class Diverged(RuntimeError):
 class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
-                 update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite):
+                 update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite,
+                 agree: Callable[[bool], bool] = lambda flag: flag):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
         self.tracker = tracker  # orchestrate.tracking.RunLogger, or None (not tracked, or not rank 0)
         self.logging = logging  # False on the runner's other workers: no bar, no evaluation
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
         self.update_allowed = update_allowed  # the runner's workers decide alike (Parallel.update_allowed)
+        self.agree = agree  # Parallel.agree: true when true on every rank
+        # A pruning sweep's trial (orchestrate.sweeps.pruning.Trial) on every rank, or None: it is
+        # told each evaluation (on the rank that evaluates) and its pruner may end the run early.
+        self.trial = None
+        self.pruned_at: int | None = None  # the step the pruner stopped the run at
+        self._prune = False  # the pruner's answer at the last evaluation
         self.skipped = 0  # updates dropped for a nan or inf loss (trainer.on_nonfinite=skip)
         self.step = 0  # the step under way (0: training has not begun)
         self.on_display: Callable[[int, dict[str, float]], None] | None = None  # the runner's report to Ray
@@ -61,9 +71,9 @@ class Meter:
                 self.step = step  # the step under way: an error's line names it
                 yield step
                 self._bar.update()
-        finally:
+        finally:  # also when the loop stops early (stop_early): the generator is closed
             self._bar.close()
-        self.final["wall_time_s"] = time.perf_counter() - self._run_start
+            self.final["wall_time_s"] = time.perf_counter() - self._run_start
 
     def displaying(self, step: int) -> bool:
         return self.trainer.due(step, self.trainer.display_loss_steps)
@@ -130,8 +140,26 @@ class Meter:
         self.log(metrics, step)
         self.final.update({k.replace("/", "_"): v for k, v in metrics.items()})
         msg = f"step {step}: eval loss {loss:.4f}" + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+        if self.trial is not None:
+            # At the last step the trial is complete whatever the pruner would say.
+            self._prune = self.trial.report(step, metrics, ask=step < self.trainer.max_steps)
+            msg += "; the sweep's pruner stops this trial here" if self._prune else ""
         self._bar.write(f"[{self.name}] {msg}")
         self._excluded += time.perf_counter() - began
+
+    def stop_early(self, step: int) -> bool:
+        """After the step's evaluation and checkpoint, on every rank: True when training ends here,
+        before trainer.max_steps, because the sweep's pruner stopped this trial. The logging rank
+        evaluates and asks the pruner; the others take its answer (`agree`: all ranks stop at the
+        same step, or they would wait on each other for ever). Nothing to decide outside a pruning
+        sweep, or between evaluations."""
+        t = self.trainer
+        if self.trial is None or step >= t.max_steps or not t.due(step, t.evaluation_period):
+            return False
+        if not self.agree(self._prune or not self.logging):
+            return False
+        self.pruned_at = self.final["pruned_at"] = step
+        return True
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Keep `metrics` in the history and send them to MLflow (and TensorBoard)."""

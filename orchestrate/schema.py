@@ -45,6 +45,11 @@ class Precision(str, enum.Enum):
     fp16 = "fp16"  # CUDA only
 
 
+class Direction(str, enum.Enum):
+    minimize = "minimize"
+    maximize = "maximize"
+
+
 class NonFinite(str, enum.Enum):
     stop = "stop"  # the run stops at that step, FAILED, its last finite checkpoint kept
     skip = "skip"  # that step's update is dropped (as fp16's loss scaler does), counted in train/skipped_steps
@@ -165,6 +170,9 @@ class SweepConf:
     name: str = "none"  # the conf/sweep file in use (each sets its own); none: plain Hydra multirun
     default: str = "lr_grid"  # what a bare `+sweep` runs when no experiment picked a sweep
     metric: str = "eval_loss"  # final metric a trial returns (Optuna optimises it; the summary ranks by it)
+    # Whether the metric is better low or high: the summary ranks by it, and it is the Optuna
+    # sweeper's direction unless hydra.sweeper.direction says otherwise.
+    direction: Direction = Direction.minimize
 
 
 @dataclass

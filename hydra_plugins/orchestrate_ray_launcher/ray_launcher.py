@@ -53,6 +53,7 @@ class OrchestrateRayLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
+        self.ready = False  # Ray started or joined and a job's placement checked (orchestrate.launch._core.ready)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -61,3 +62,11 @@ class OrchestrateRayLauncher(Launcher):
         from orchestrate.launch import _core
 
         return _core.launch(self, job_overrides, initial_job_idx)
+
+    def slots(self) -> int:
+        """How many jobs run at once: as many as the cluster fits, by the resources each asks
+        for (Ray is started or joined first). Asynchronous sweepers keep that many launched."""
+        from orchestrate.launch import _core
+
+        _core.ready(self)
+        return _core.slots(self.conf)

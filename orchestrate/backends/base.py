@@ -24,6 +24,7 @@ class Backend(ABC):
     resumable = False  # True: `load_checkpoint` reads its checkpoints, `fit` goes on from `job.resume_state`
     data_parallel = False  # True: `fit` runs on the runner's workers (as a `backend.engine`)
     averaging = False  # True: can average parameters every N updates (the runner's `average_every`)
+    chooses = False  # True: picks another backend to train with (backend=auto), which it never probes itself
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
@@ -90,21 +91,27 @@ class Backend(ABC):
         raise NotImplementedError(f"backend={self.name} cannot continue from a checkpoint")
 
 
-def backends(*flags: str) -> list[str]:
+def backends(*flags: str, unless: tuple[str, ...] = ()) -> list[str]:
     """The backends (conf/backend names, a user's own folders included) whose class sets every one
-    of `flags`, e.g. `backends("resumable")`: the names a message offers, found rather than listed
-    by hand, so that a new backend file needs no message edited."""
+    of `flags` and none of `unless`, e.g. `backends("resumable")`: the names a message offers,
+    found rather than listed by hand, so that a new backend file needs no message edited."""
+    return list(backend_configs(*flags, unless=unless))
+
+
+def backend_configs(*flags: str, unless: tuple[str, ...] = ()) -> dict[str, DictConfig]:
+    """`backends(*flags, unless=...)` with each one's config, by name (each file composed once)."""
     from orchestrate import schema
     from orchestrate.config import group_options
 
-    found = []
+    found = {}
     for name in group_options("backend"):
+        node = backend_config(name)
         try:
-            target = schema.target_of(backend_config(name), "backend")
+            target = schema.target_of(node, "backend")
         except schema.ConfigError:  # a backend file whose class does not import offers nothing
             continue
-        if all(getattr(target, flag, False) for flag in flags):
-            found.append(name)
+        if all(getattr(target, flag, False) for flag in flags) and not any(getattr(target, f, False) for f in unless):
+            found[name] = node
     return found
 
 

@@ -363,6 +363,8 @@ class OnDeviceBackend(Backend):
             meter.record(step, loss_sum / K)
             meter.evaluate(step, lambda: self.evaluate(module, job))
             job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt")
+            if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
+                break
 
         if parallel.logging:
             job.export_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))

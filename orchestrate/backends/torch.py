@@ -102,6 +102,8 @@ class TorchBackend(Backend):
             meter.evaluate(step, lambda: evaluate(plain, job))
             job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, optimizer, scheduler,
                                                                           job, scaler=scaler), suffix=".pt")
+            if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
+                break
 
         if parallel.logging:
             job.export_model(lambda path: export_onnx(plain, job.data.sample_input().to(device), path))

@@ -118,45 +118,61 @@ class Job:
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
     """One JobReturn per job, in the order of `job_overrides`; a failed job's return value is a
-    TrialError (raised at once with fail_fast). Raises PlacementError when a job cannot be placed."""
+    TrialError (raised at once with fail_fast). Raises PlacementError when a job cannot be placed.
+    Calls may overlap (an asynchronous sweeper launches each trial from its own thread as a slot
+    frees): Ray is started and the placement checked once, and the jobs' output shares one barrier."""
     setup_globals()
     assert launcher.config is not None and launcher.hydra_context is not None
     assert launcher.task_function is not None
-    cfg, conf = launcher.config, launcher.conf
-    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
-    check(conf)
-    resources = {k: v for k, v in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial)) if v}
-
+    conf = launcher.conf
     # Each job's config is composed just before it is submitted (`run`), not all of them before
     # the first starts: Hydra composes a config in about 0.1 s, minutes for a grid of thousands.
     jobs = [Job(initial_job_idx + i, list(overrides)) for i, overrides in enumerate(job_overrides)]
     if conf.dry_run:
-        print_plan(jobs, conf, resources)
+        check(conf)
+        print_plan(jobs, conf, resources_of(conf))
         return [JobReturn(overrides=j.overrides, status=JobStatus.COMPLETED) for j in jobs]
-
-    sweep_dir = Path(str(cfg.hydra.sweep.dir))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    before_ray_import()
-    if conf.address and conf.num_cpus is not None:
-        log.warning(f"hydra.launcher.num_cpus={conf.num_cpus} is ignored: it sizes a new local Ray instance, "
-                    f"and hydra.launcher.address={conf.address} joins a running cluster")
-    began = time.perf_counter()
-    started = ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
-    import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
-
-    if started:
-        log.info(f"Ray ready (waited {time.perf_counter() - began:.1f} s for it): {ray.cluster_resources()}")
-    asked = " ".join(f"hydra.launcher.{key}={getattr(conf, key):g}" for key in ("cpus_per_trial", "gpus_per_trial")
-                     if getattr(conf, key)) + ": a trial"
-    ray_cluster.wait_for_placement([resources], "PACK", conf.placement_timeout_s, asked,
-                                   "hydra.launcher.placement_timeout_s")
-
-    log.info(f"Launching {len(jobs)} jobs on Ray ({where(conf)}), each asking for {resources or 'no resources'}; "
-             f"sweep output dir : {sweep_dir}")
+    ready(launcher)
+    log.info(f"Launching {len(jobs)} job(s) on Ray ({where(conf)}), each asking for "
+             f"{resources_of(conf) or 'no resources'}; sweep output dir : {launcher.config.hydra.sweep.dir}")
     for job in jobs:
         log.info(f"\t#{job.idx} : {job.shown}")
-    with OutputBarrier() as barrier:
+    with shared_barrier() as barrier:
         return run(jobs, launcher, barrier)
+
+
+def resources_of(conf) -> dict:
+    return {k: v for k, v in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial)) if v}
+
+
+_READY = threading.Lock()  # held while a launcher starts Ray and checks the placement
+
+
+def ready(launcher) -> None:
+    """Once per launcher: Hydra's logging, the settings checked, the sweep folder, Ray started or
+    joined, and one job's resources seen free somewhere (or PlacementError)."""
+    with _READY:
+        if getattr(launcher, "ready", False):
+            return
+        cfg, conf = launcher.config, launcher.conf
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        check(conf)
+        Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        before_ray_import()
+        if conf.address and conf.num_cpus is not None:
+            log.warning(f"hydra.launcher.num_cpus={conf.num_cpus} is ignored: it sizes a new local Ray instance, "
+                        f"and hydra.launcher.address={conf.address} joins a running cluster")
+        began = time.perf_counter()
+        started = ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
+        import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
+
+        if started:
+            log.info(f"Ray ready (waited {time.perf_counter() - began:.1f} s for it): {ray.cluster_resources()}")
+        asked = " ".join(f"hydra.launcher.{key}={getattr(conf, key):g}" for key in ("cpus_per_trial", "gpus_per_trial")
+                         if getattr(conf, key)) + ": a trial"
+        ray_cluster.wait_for_placement([resources_of(conf)], "PACK", conf.placement_timeout_s, asked,
+                                       "hydra.launcher.placement_timeout_s")
+        launcher.ready = True
 
 
 def before_ray_import() -> None:
@@ -313,6 +329,29 @@ def print_plan(jobs: list[Job], conf, resources: dict) -> None:
     for job in jobs:
         print(f"\t#{job.idx} : {job.shown}")
     sys.stdout.flush()
+
+
+_BARRIER_LOCK = threading.Lock()
+_BARRIER: list = []  # [the OutputBarrier in use, how many launches use it]
+
+
+@contextlib.contextmanager
+def shared_barrier():
+    """The OutputBarrier of the launches running now: the first one in taps Ray's output, the
+    last one out puts it back (overlapping taps would wrap Ray's printer in each other)."""
+    with _BARRIER_LOCK:
+        if not _BARRIER:
+            _BARRIER[:] = [OutputBarrier().__enter__(), 0]
+        _BARRIER[1] += 1
+        barrier = _BARRIER[0]
+    try:
+        yield barrier
+    finally:
+        with _BARRIER_LOCK:
+            _BARRIER[1] -= 1
+            if not _BARRIER[1]:
+                _BARRIER.pop(0).__exit__(None, None, None)
+                _BARRIER.clear()
 
 
 class OutputBarrier:

@@ -3,7 +3,6 @@ and the summary on it (`Sweep`, in the launching process), and each trial's nest
 (`open_trial` and `close_trial`, wherever the launcher runs the job)."""
 
 import contextlib
-import hashlib
 import json
 import logging
 import tempfile
@@ -42,13 +41,6 @@ def fixed_overrides(command: list[str]) -> list[str]:
     parsed = OverridesParser.create().parse_overrides(command)
     return [*command, *(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in parsed
                         if not o.is_sweep_override())]
-
-
-def sweep_key(command_overrides: list[str], sweeper: dict) -> str:
-    """Same command, same sweep definition: same key, hence the same parent run on a re-run. The
-    launcher is not part of it: a sweep started on Ray can be finished with another launcher."""
-    text = json.dumps({"overrides": sorted(command_overrides), "sweeper": sweeper}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def open_trial(handover: Handover, config: DictConfig) -> str:
@@ -115,7 +107,7 @@ class Sweep:
         self.command = list(config.hydra.overrides.task)
         self.fixed = fixed_overrides(self.command)
         sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
-        key = sweep_key(self.command, sweeper)
+        key = plan.sweep_key(config)
         earlier = self.client.search_runs([self.experiment_id], f"tags.`{SWEEP_KEY}` = '{key}'",
                                           order_by=["attributes.start_time DESC"], max_results=1) if s.resume else []
         if earlier:
@@ -165,9 +157,11 @@ class Sweep:
                 run = self.client.get_run(run.info.run_id)
                 status = "CANCELLED"
             curve = self.client.get_metric_history(run.info.run_id, metric_key)
+            max_steps, pruned = run.data.params.get("trainer.max_steps"), run.data.tags.get("pruned")
             rows.append(_summary.Row(
                 index=int(run.data.tags.get(INDEX_KEY, -1)), name=name, status=status, run_id=run.info.run_id,
                 start_ms=run.info.start_time, end_ms=run.info.end_time, metrics=dict(run.data.metrics),
+                max_steps=int(max_steps) if max_steps else None, pruned_at=int(pruned) if pruned else None,
                 curve=[(m.timestamp, m.value) for m in curve], error=error))
         for index, overrides in enumerate(self.planned):
             name = trial_name(overrides, self.fixed)
@@ -181,7 +175,7 @@ class Sweep:
         and the summary printed: the last thing a sweep prints."""
         try:
             rows = self.rows()
-            text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance)
+            text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance, self.settings.lower)
             self.client.log_text(self.run_id, text, "summary.md")
             self.log_chart(rows)
             failed = [r for r in rows if r.status not in _summary.DONE]

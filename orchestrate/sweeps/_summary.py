@@ -1,5 +1,7 @@
 """The sweep's summary table: one row per trial, read back from its MLflow child run, ranked by
-`sweep.metric`, with the speed columns that tell apart trials that learn equally well.
+`sweep.metric` in the sweep's direction, with the speed columns that tell apart trials that learn
+equally well, and, for a pruning sweep, where each pruned trial stopped and how much of the full
+budget (trial-steps run / trial-steps without pruning) the sweep spent.
 
 Time to target: the target is the worst of the finished trials' best values of the metric (for a
 loss, the highest of their lowest losses), so every finished trial reached it; a trial's time is
@@ -22,6 +24,8 @@ class Row:
     start_ms: int | None = None
     end_ms: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # the run's latest value of each metric
+    max_steps: int | None = None  # the trial's trainer.max_steps
+    pruned_at: int | None = None  # the step the sweep's pruner stopped it at
     curve: list[tuple[int, float]] = field(default_factory=list)  # (timestamp ms, value) of the sweep metric
     error: str = ""
 
@@ -29,25 +33,31 @@ class Row:
     def wall_time_s(self) -> float | None:
         return (self.end_ms - self.start_ms) / 1000 if self.start_ms and self.end_ms else None
 
+    @property
+    def steps_run(self) -> int | None:
+        """Training steps this trial ran: to the end, or to where it was pruned (None: it did not finish)."""
+        if self.status not in DONE:
+            return None
+        return self.pruned_at if self.pruned_at is not None else self.max_steps
+
+    @property
+    def shown_status(self) -> str:
+        return f"PRUNED at {self.pruned_at}" if self.pruned_at is not None else self.status
+
 
 def history_key(metric: str) -> str:
     """`eval_loss` (the name a trial returns) -> `eval/loss` (the curve it logs)."""
     return metric.replace("_", "/", 1)
 
 
-def lower_is_better(metric: str) -> bool:
-    return "loss" in metric
-
-
-def best(row: Row, metric: str) -> float | None:
+def best(row: Row, metric: str, lower: bool) -> float | None:
     if row.curve:
-        return (min if lower_is_better(metric) else max)(v for _, v in row.curve)
+        return (min if lower else max)(v for _, v in row.curve)
     return row.metrics.get(f"final/{metric}")
 
 
-def time_to(row: Row, level: float, metric: str) -> float | None:
+def time_to(row: Row, level: float, lower: bool) -> float | None:
     """Seconds from the run's start to its first point at or past `level`."""
-    lower = lower_is_better(metric)
     for stamp, value in sorted(row.curve):
         if (value <= level) if lower else (value >= level):
             return (stamp - row.start_ms) / 1000 if row.start_ms else None
@@ -58,10 +68,10 @@ def _cell(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def table(rows: list[Row], metric: str, tolerance: float) -> str:
-    """Markdown table, then one line: the best trial, or the tie and who was fastest in it."""
-    lower = lower_is_better(metric)
-    bests = {r.index: best(r, metric) for r in rows}
+def table(rows: list[Row], metric: str, tolerance: float, lower: bool = True) -> str:
+    """Markdown table, then one line: the best trial (`lower`: the metric is better low), or the
+    tie and who was fastest in it; for a sweep that pruned, where and the budget spent."""
+    bests = {r.index: best(r, metric, lower) for r in rows}
     reached = [r for r in rows if r.status in DONE and bests[r.index] is not None]
     target = (max if lower else min)(bests[r.index] for r in reached) if reached else None
     to_target = f"s to {metric} {'<=' if lower else '>='} {_cell(target, '.4f')}"
@@ -70,18 +80,30 @@ def table(rows: list[Row], metric: str, tolerance: float) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: r.index):
         m = r.metrics
-        cells = [str(r.index), r.name, r.status, _cell(m.get("final/train_loss"), ".4f"), _cell(bests[r.index], ".4f"),
-                 _cell(time_to(r, target, metric) if target is not None else None, ".1f"),
+        cells = [str(r.index), r.name, r.shown_status, _cell(m.get("final/train_loss"), ".4f"),
+                 _cell(bests[r.index], ".4f"), _cell(time_to(r, target, lower) if target is not None else None, ".1f"),
                  _cell(m.get("final/samples_per_sec"), ",.0f"), _cell(m.get("final/step_time_ms"), ".2f"),
                  _cell(r.wall_time_s, ".1f"), r.error.replace("\n", " ").replace("|", "/")[:120]]
         lines.append("| " + " | ".join(cells) + " |")
     if reached:
-        lines += ["", verdict(reached, bests, metric, tolerance)]
+        lines += ["", verdict(reached, bests, metric, tolerance, lower)]
+    if any(r.pruned_at is not None for r in rows):
+        lines.append(pruning(rows))
     return "\n".join(lines)
 
 
-def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance: float) -> str:
-    lower = lower_is_better(metric)
+def pruning(rows: list[Row]) -> str:
+    """Which trials were pruned and where, and the trial-steps run against those of the same
+    trials run to the end (trials that did not finish are left out of both)."""
+    pruned = [r for r in rows if r.pruned_at is not None]
+    counted = [r for r in rows if r.steps_run is not None and r.max_steps]
+    run, full = sum(r.steps_run for r in counted), sum(r.max_steps for r in counted)
+    where = ", ".join(f"{r.index} (step {r.pruned_at})" for r in sorted(pruned, key=lambda r: r.index))
+    return (f"pruned: {len(pruned)} of {len(counted)} trials: {where}; trial-steps run: {run:,} of {full:,} "
+            f"without pruning ({100 * run / full:.0f}% of the budget)" if full else f"pruned: {where}")
+
+
+def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance: float, lower: bool = True) -> str:
     top = (min if lower else max)(reached, key=lambda r: bests[r.index])
     optimum = bests[top.index]
     tied = sorted((r for r in reached if abs(bests[r.index] - optimum) <= tolerance * abs(optimum)),
@@ -91,7 +113,7 @@ def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance:
     level = (max if lower else min)(bests[r.index] for r in tied)  # a value every tied trial reached
     text = (f"tie: trials {', '.join(str(r.index) for r in tied)} reach {metric} {level:.4f} "
             f"within {tolerance * 100:g}%")
-    timed = [(t, r) for r in tied if (t := time_to(r, level, metric)) is not None]
+    timed = [(t, r) for r in tied if (t := time_to(r, level, lower)) is not None]
     if timed:
         seconds, fastest = min(timed, key=lambda p: p[0])
         text += f"; fastest to it: trial {fastest.index} ({fastest.name}, {seconds:.1f} s)"

@@ -58,10 +58,13 @@ class _Job:
 
 class SweepTracking(Callback):
     def __init__(self, tracking_uri: str, experiment: str, metric: str = "eval_loss", name: str = "none",
-                 resume: bool = True, tracking_server: bool = True, tie_tolerance: float = 1e-3) -> None:
+                 resume: bool = True, tracking_server: bool = True, tie_tolerance: float = 1e-3,
+                 direction: Any = "minimize") -> None:
         self.tracking_uri = tracking_uri  # the real store (tracking.uri); trials may write through a server
         self.experiment = experiment
         self.metric = metric  # sweep.metric: ranks the trials
+        # The sweeper's direction (or sweep.direction): whether the metric is better low or high.
+        self.lower = str(getattr(direction, "value", direction)).lower().removeprefix("direction.") != "maximize"
         self.name = name  # sweep.name: names the parent run
         self.resume = resume  # the same sweep again: same parent run, its FINISHED trials skipped
         self.tracking_server = tracking_server  # SQLite store: one local `mlflow server` takes every trial's writes

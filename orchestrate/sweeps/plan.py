@@ -4,12 +4,17 @@
 every trial's config up front, whatever the launcher, and by the sweep callbacks to list the trials
 a grid sweep never reached."""
 
+import hashlib
 import itertools
+import json
 
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate.schema import ConfigError
 
+# Settings that say how much of a sweep runs, not which sweep it is: running it again with more
+# trials (or more at once) continues the same parent run and the same study.
+HOW_MUCH = ("n_trials", "n_jobs", "max_batch_size")
 GRID_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
                  "hydra_plugins.orchestrate_grid_sweeper.grid_sweeper.OrchestrateGridSweeper")
 
@@ -63,3 +68,13 @@ def search_space(cfg: DictConfig) -> list[str]:
 def is_grid(cfg: DictConfig) -> bool:
     """Whether the sweeper runs exactly `trials(cfg)` (Hydra's basic sweeper), not a sample of them."""
     return OmegaConf.select(cfg, "hydra.sweeper._target_") in GRID_SWEEPERS
+
+
+def sweep_key(cfg: DictConfig) -> str:
+    """Same command line, same sweep definition: same key, hence the same parent run and study on
+    a re-run. The launcher is not part of it (a sweep started on Ray can be finished with another),
+    nor are HOW_MUCH's settings."""
+    sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=False)
+    sweeper = {k: v for k, v in sweeper.items() if k not in HOW_MUCH}
+    text = json.dumps({"overrides": sorted(cfg.hydra.overrides.task), "sweeper": sweeper}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

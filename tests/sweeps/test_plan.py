@@ -96,5 +96,5 @@ def test_a_dry_run_of_a_sampling_sweep_prints_its_space_and_runs_nothing(tmp_pat
         main()
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "dry run: OptunaSweeper would run 8 trial(s), each drawn from: optimizer.lr=tag(log, interval(" in out
+    assert "dry run: OrchestrateOptunaSweeper would run 8 trial(s), each drawn from: optimizer.lr=tag(log, interval(" in out
     assert list(tmp_path.iterdir()) == []

@@ -203,7 +203,8 @@ class RunnerBackend(Backend):
                   "engine": OmegaConf.to_container(self.engine_node()),
                   "out_dir": str(job.out_dir.resolve()), "run_id": run_id,
                   "resume": ray.put(job.resume_state) if job.resume_state is not None else None,
-                  "uri": absolute_uri(tracker.uri) if tracker else None}
+                  "uri": absolute_uri(tracker.uri) if tracker else None,
+                  "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
         trainer = TorchTrainer(
             worker_loop, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=job.trainer.num_workers, use_gpu=self.use_gpu,

@@ -53,6 +53,7 @@ def worker_loop(config: dict) -> None:
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
     if engine.resumable:
         job.resume_state = resume_state(config, engine)
+    job.meter.trial = config["trial"]  # a pruning sweep's trial, on every rank (Meter.stop_early)
     reporter = Reporter(job.parallel)
     job.meter.on_display = reporter.metrics
     if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds

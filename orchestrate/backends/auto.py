@@ -1,0 +1,292 @@
+"""backend=auto: try every backend that can take the model for a few steps, from the same initial
+weights on the same batches, then train the run on the fastest one whose loss agrees.
+
+    python -m orchestrate backend=auto
+    python -m orchestrate backend=auto 'backend.candidates=[torch,ondevice]'
+    python -m orchestrate backend=runner backend.engine=auto      # the runner's engine, chosen alike
+
+The story (`AutoBackend.fit`):
+1. The candidates: every conf/backend file whose backend trains in one process (a user's own in
+   `--config-dir` included), or those `backend.candidates` names.
+2. A probe per candidate: the run's own config with that backend, built as `backend=<it>` builds
+   it (`Job.prepare`: the same seed gives the same initial weights and the same batches; a backend
+   that refuses the config is listed with its reason), trained for `warmup_steps + probe_steps`
+   steps aside: no MLflow, no evaluation, checkpoint or export, in a temporary folder.
+3. Its steady samples/s and step time are the meter's over the steps after the warm-up (the first
+   display window, which holds ORTModule's export and graph build), its loss the mean of the last
+   window. Each loss is compared with the reference backend's (torch); beyond `tolerance` the
+   backend disagrees and is not chosen.
+4. The run trains with the fastest that agrees, on the job the app built (its model holds the
+   initial weights, the RNG is as it was before probing), in the app's one MLflow run: tagged
+   `backend=<chosen>` and `auto=true`, with the probe table as `auto_probe.md` (and on the console).
+
+The runner's `backend.engine=auto` reuses steps 1-3 in its driver, among the engines that run on
+its workers (`RunnerBackend.fit`).
+"""
+
+import contextlib
+import copy
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import numpy as np
+from omegaconf import DictConfig
+
+from orchestrate import checkpoints, errors, process, schema
+from orchestrate.backends.base import Backend, Parallel, backend_configs
+from orchestrate.job import Job
+from orchestrate.meter import Diverged
+from orchestrate.schema import ABOVE_0, AT_LEAST_1, ConfigError
+
+log = logging.getLogger(__name__)
+
+# Backends auto never probes: those that run workers of their own (the runner) and those that
+# choose themselves (auto).
+NOT_PROBED = ("distributed", "chooses")
+TABLE_FILE = "auto_probe.md"
+
+
+@dataclass
+class AutoBackend(Backend):
+    name: str
+    warmup_steps: Annotated[int, AT_LEAST_1]  # steps each probe runs before it is timed (graph builds, first allocations)
+    probe_steps: Annotated[int, AT_LEAST_1]  # steps timed after the warm-up
+    tolerance: Annotated[float, ABOVE_0]  # the largest relative difference from the reference's probe loss that agrees
+    reference: str  # the backend whose probe loss the others are compared with (the eager baseline)
+    candidates: Optional[list[str]]  # None: every single-process backend found; a list: only these
+    chooses = True
+    # resumable stays False: the checkpoints are the chosen backend's, and a resumed run would have
+    # to choose that one again without probing. Job.prepare refuses trainer.resume, naming those
+    # that can.
+
+    def check(self, job) -> None:
+        self.check_candidates(job, self.found(), "backend=auto")
+
+    def fit(self, job) -> None:
+        found = self.found()
+        name = self.choose(job, found, "backend=auto", tag="backend")
+        # From here on the job is the chosen backend's: its loop, its progress bar's name, its
+        # checkpoints and its export.
+        job.backend = schema.build(found[name], "backend")
+        job.meter.name = job.backend.name
+        job.backend.fit(job)
+
+    def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
+        raise NotImplementedError("backend=auto writes the chosen backend's checkpoints: read them with the backend "
+                                  "that the MLflow run's `backend` tag names")
+
+    # ---- what the runner's `backend.engine=auto` uses too -------------------------------------
+    def found(self, *flags: str) -> dict[str, DictConfig]:
+        """The candidates, by name, with their backend configs: every backend file whose class
+        sets `flags` and trains in one process, or those `candidates` names (ConfigError for a
+        name that is not one of them)."""
+        found = backend_configs(*flags, unless=NOT_PROBED)
+        if self.candidates is None:
+            return found
+        if not self.candidates:
+            raise ConfigError(f"backend.candidates=[]: name at least one backend; allowed: {', '.join(found)} "
+                              "(or null: all of them)")
+        for name in self.candidates:
+            if name not in found:
+                raise ConfigError(f"backend.candidates: {name} is not a backend this can probe; allowed: "
+                                  f"{', '.join(found)}")
+        return {name: found[name] for name in dict.fromkeys(self.candidates)}
+
+    def check_candidates(self, job, found: dict[str, DictConfig], what: str) -> None:
+        """Before any run opens: ConfigError when every candidate refuses the config (each is
+        built as its probe builds it). The RNG is left as it was: each build seeds it."""
+        with rng_kept():
+            reasons = {name: refusal(self.probe_config(job.cfg, node)) for name, node in found.items()}
+        if all(reasons.values()):
+            raise none_takes(what, reasons)
+
+    def choose(self, job, found: dict[str, DictConfig], what: str, tag: str) -> str:
+        """Probe every candidate on `job`'s config, pick the fastest that agrees, print the table,
+        keep it with the run (`auto_probe.md`) and tag the run (`tag` = the choice, `auto` =
+        true); returns the chosen name. The RNG is put back as it was: the run trains as if no
+        probe had run."""
+        began = time.perf_counter()
+        with rng_kept():
+            probes = [probe(name, self.probe_config(job.cfg, node)) for name, node in found.items()]
+        choice = judge(probes, self.reference, self.tolerance, what)
+        seconds = time.perf_counter() - began
+        text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
+                f"initial weights on the same batches; {choice.compared}; tolerance {self.tolerance:.1%}; probing took "
+                f"{seconds:.1f} s\n\n{table(probes, choice.base)}")
+        print(text, flush=True)
+        path = job.out_dir / TABLE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        job.meter.final["auto_probe_s"] = seconds  # logged with the final metrics (final/auto_probe_s)
+        if job.meter.tracker is not None:
+            job.meter.tracker.set_tags({tag: choice.chosen.name, "auto": "true"})
+            job.meter.tracker.log_artifact(path)
+        return choice.chosen.name
+
+    def probe_config(self, cfg: DictConfig, node: DictConfig) -> DictConfig:
+        return probe_config(cfg, node, self.warmup_steps, self.probe_steps)
+
+
+# ---- one probe ------------------------------------------------------------------------------------
+@dataclass
+class Probe:
+    """One candidate's probe: how fast it trained, where its loss ended, and the verdict."""
+
+    name: str
+    verdict: str = ""
+    samples_per_sec: float = math.nan
+    step_time_ms: float = math.nan
+    loss: float = math.nan  # the mean train loss of the probe's last display window
+    difference: float = math.nan  # (loss - the reference's) / the reference's
+    finished: bool = False  # ran every step and ended with a finite loss
+    agrees: bool = False  # finished, and its loss is within the tolerance of the reference's
+
+
+class Aside(Parallel):
+    """One process, as `Parallel`, that neither evaluates, checkpoints nor exports (what only the
+    logging rank does): a probe times the training steps, and pays for nothing else."""
+
+    logging = False
+
+
+def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_steps: int) -> DictConfig:
+    """The run's config with `node` as its backend, as a probe trains it: one process, one batch
+    a step, `warmup_steps + probe_steps` steps, the warm-up as the first display window (the meter
+    leaves that one out of its timing), no progress bar. The rate stays at its base value: the
+    run's schedule is laid out over the run's own steps, and its warm-up (a rate near 0) would leave
+    a short probe's losses equal whatever each backend's update did."""
+    probe = copy.deepcopy(cfg)
+    probe.backend = node
+    t = probe.trainer
+    t.max_steps, t.display_loss_steps = warmup_steps + probe_steps, warmup_steps
+    t.num_workers, t.gradient_accumulation_steps = 1, 1
+    t.lr_schedule, t.warmup_steps = "constant", 0
+    t.progress, t.tensorboard, t.resume = False, False, None
+    return probe
+
+
+def refusal(cfg: DictConfig) -> str | None:
+    """Why the probe config's backend refuses it (its ConfigError's line), or None."""
+    try:
+        Job.prepare(cfg, out_dir="unused", parallel=Aside())
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def probe(name: str, cfg: DictConfig) -> Probe:
+    """Train the probe config `cfg` aside and measure it. The process is left as found
+    (orchestrate.process.kept: thread counts, environment, ORT's logging); nothing stays on disk."""
+    result = Probe(name)
+    with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept(), \
+            temporary_files_in(folder):
+        try:
+            job = Job.prepare(cfg, folder, parallel=Aside())
+        except ConfigError as e:
+            result.verdict = f"refused: {e}"
+            return result
+        try:
+            job.backend.fit(job)
+        except Diverged as e:
+            result.verdict = f"diverged: {e}"
+            return result
+        except Exception as e:  # noqa: BLE001 - a backend that fails here is not chosen; the others may do
+            log.warning(f"backend=auto: the probe of {name} failed", exc_info=True)  # the job log has the traceback
+            result.verdict = f"failed: {errors.one_line(e)}"
+            return result
+    summary = job.meter.summary()
+    result.samples_per_sec = summary.get("samples_per_sec", math.nan)
+    result.step_time_ms = summary.get("step_time_ms", math.nan)
+    result.loss = summary.get("train_loss", math.nan)
+    result.finished = math.isfinite(result.loss)
+    if not result.finished:  # trainer.on_nonfinite=skip dropped the updates of its last steps
+        result.verdict = f"ended with a loss of {result.loss}"
+    return result
+
+
+@contextlib.contextmanager
+def temporary_files_in(folder: str) -> Iterator[None]:
+    """While the block runs, Python's temporary files and folders go into `folder`: what a backend
+    leaves there goes with the probe (the on-device backend builds its artifacts in a folder of its
+    own on a rank that does not log, as a probe's, and leaves it)."""
+    before, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Every RNG state as it was before the block (each probe seeds them to build its model)."""
+    state = checkpoints.rng_state()
+    try:
+        yield
+    finally:
+        checkpoints.set_rng_state(state)
+
+
+# ---- the choice -----------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    chosen: Probe
+    base: Probe | None  # whose loss the others were compared with (None: no probe finished)
+    compared: str  # what the losses were compared with, in words
+
+
+def judge(probes: list[Probe], reference: str, tolerance: float, what: str) -> Choice:
+    """Compare each finished probe's loss with the reference's (or, when the reference is not a
+    candidate or did not finish, the first that finished) and choose the fastest that agrees. When
+    no probe finished (every one diverged, failed or was refused), the reference trains the run all
+    the same (or the first that took the config), as it would have without auto: the run then
+    shows why."""
+    finished = [p for p in probes if p.finished]
+    named = next((p for p in probes if p.name == reference), None)
+    base = named if named in finished else (finished[0] if finished else None)
+    if base is None:
+        taken = [p for p in probes if not p.verdict.startswith("refused")]
+        if not taken:
+            raise none_takes(what, {p.name: p.verdict.removeprefix("refused: ") for p in probes})
+        chosen = named if named in taken else taken[0]
+        chosen.verdict += "; chosen all the same: no probe finished, and the run shows why"
+        return Choice(chosen, None, "no probe finished, no losses compared")
+    for p in finished:
+        p.difference = (p.loss - base.loss) / max(abs(base.loss), 1e-12)
+        p.agrees = abs(p.difference) <= tolerance
+        if not p.agrees:
+            p.verdict = (f"disagrees: loss {p.loss:.4f} against {base.name}'s {base.loss:.4f} ({abs(p.difference):.1%} "
+                         f"apart)")
+    chosen = max((p for p in finished if p.agrees), key=lambda p: p.samples_per_sec)
+    for p in finished:
+        if p is chosen:
+            p.verdict = "chosen: the fastest that agrees"
+        elif p.agrees:
+            p.verdict = f"agrees; {p.samples_per_sec / chosen.samples_per_sec:.2f}x the chosen one's samples/s"
+    compared = f"losses compared with {base.name}'s"
+    if base is not named:
+        compared += f" ({reference} {'did not finish its probe' if named else 'is not a candidate'})"
+    return Choice(chosen, base, compared)
+
+
+def none_takes(what: str, reasons: dict[str, str]) -> ConfigError:
+    return ConfigError(f"{what}: every candidate refuses this config: "
+                       + "; ".join(f"{name}: {reason}" for name, reason in reasons.items()))
+
+
+def table(probes: list[Probe], base: Probe | None) -> str:
+    """The probes as a markdown table: one row per candidate, in the order probed."""
+    def number(value: float, spec: str) -> str:
+        return "-" if math.isnan(value) else format(value, spec)
+
+    rows = [f"| backend | samples/s | step ms | probe loss | vs {base.name if base else 'reference'} | verdict |",
+            "|---|---:|---:|---:|---:|---|"]
+    for p in probes:
+        rows.append(f"| {p.name} | {number(p.samples_per_sec, ',.0f')} | {number(p.step_time_ms, '.3f')} | "
+                    f"{number(p.loss, '.4f')} | {number(p.difference, '+.2%')} | {p.verdict.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,341 @@
+"""The asynchronous Optuna sweeper's work (hydra_plugins.orchestrate_optuna_sweeper), imported
+when a sweep starts. In order:
+
+1. The search space: `hydra.sweeper.params` and the command line's sweeps, read as Hydra's Optuna
+   sweeper reads them, become Optuna distributions; the other overrides are fixed for every trial.
+2. The study: in a database beside the MLflow store, named after the sweep, so that the same sweep
+   run again finds it: its finished and pruned trials count, a trial an earlier attempt left
+   running (the process was killed) is failed and its parameters run again.
+3. The slots: as many trials run at once as the launcher can run. Each slot's trial is launched
+   alone (`launcher.launch([overrides], trial.number)`), from its own thread when there are
+   several slots; the study is asked and told from this thread only.
+4. Each ended job is told to the study: pruned (its loop stopped where the pruner said, see
+   orchestrate.sweeps.pruning), complete with the value it returned, or failed. Past
+   max_failure_rate no new trial starts and the sweep raises the first failure.
+"""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrate.redact import redact_text
+from orchestrate.schema import ConfigError
+from orchestrate.sweeps import plan
+from orchestrate.sweeps.pruning import PRUNED_AT
+
+log = logging.getLogger(__name__)
+LOCAL_LAUNCHERS = ("hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+                   "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher")
+
+
+# ---- 1. the search space -------------------------------------------------------------------------
+
+@dataclass
+class SearchSpace:
+    distributions: dict[str, Any]  # key -> optuna distribution
+    fixed: dict[str, str]  # key -> value, the same in every trial
+
+    @classmethod
+    def parse(cls, params: dict | None, arguments: list[str]) -> "SearchSpace":
+        """`hydra.sweeper.params`, then the command line's overrides (a later one of a key wins)."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
+        for key, value in (params or {}).items():
+            if not isinstance(value, (str, int, float, bool)):
+                raise ConfigError(f"hydra.sweeper.params.{key}: write the search space as Hydra's override syntax "
+                                  "(choice(a,b), range(a,b), interval(a,b), tag(log, interval(a,b))), not a mapping")
+        space = cls({}, {})
+        for override in OverridesParser.create().parse_overrides(lines):
+            key = override.get_key_element()
+            space.distributions.pop(key, None)
+            space.fixed.pop(key, None)
+            if override.is_sweep_override():
+                space.distributions[key] = distribution(override)
+            else:
+                space.fixed[key] = override.get_value_element_as_str()
+        if not space.distributions:
+            raise ConfigError("hydra.sweeper.params: nothing to search; give a parameter a choice(...), range(...) "
+                              "or interval(...) (e.g. optimizer.lr=tag(log,interval(1e-4,1e-2)))")
+        return space
+
+    def overrides(self, params: dict[str, Any]) -> list[str]:
+        return [f"{k}={v}" for k, v in params.items()] + [f"{k}={v}" for k, v in self.fixed.items()]
+
+    def grid(self) -> dict[str, list]:
+        """The search space as GridSampler takes it: every parameter a list of values."""
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        grid = {}
+        for key, d in self.distributions.items():
+            if isinstance(d, CategoricalDistribution):
+                grid[key] = list(d.choices)
+            elif isinstance(d, IntDistribution) and not d.log:
+                grid[key] = list(range(d.low, d.high + 1, d.step))
+            else:
+                raise ConfigError(f"{key}: hydra/sweeper/sampler=grid runs every combination and cannot draw from "
+                                  "an interval; allowed: choice(...) or range(...), or hydra/sweeper/sampler=tpe")
+        return grid
+
+
+def distribution(override) -> Any:
+    """A sweep override as an Optuna distribution, as Hydra's Optuna sweeper makes it: a choice
+    (or a shuffled range) is categorical, a range is a stepped int or float, an interval uniform
+    (`tag(log, ...)`: log-uniform), int when both ends are ints."""
+    from hydra.core.override_parser.types import Transformer
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    value = override.value()
+    if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
+        return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
+    if override.is_range_sweep():  # range(start, stop, step): stop excluded, as Hydra's grid reads it
+        if any(isinstance(v, float) for v in (value.start, value.stop, value.step)):
+            last = value.start + value.step * int((value.stop - value.start - 1e-12) // value.step)
+            return FloatDistribution(value.start, last, step=value.step)
+        last = value.start + value.step * ((value.stop - 1 - value.start) // value.step)
+        return IntDistribution(int(value.start), int(last), step=int(value.step))
+    if override.is_interval_sweep():
+        log_scale = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return IntDistribution(value.start, value.end, log=log_scale)
+        return FloatDistribution(value.start, value.end, log=log_scale)
+    raise ConfigError(f"{override.input_line}: not a search space Optuna can draw from")
+
+
+# ---- 2. the study ------------------------------------------------------------------------------
+
+def default_storage(tracking_uri: str) -> str:
+    """The study's database beside the MLflow store: a SQLite file next to a SQLite store, a
+    database of its own on a PostgreSQL store's server (MLflow's and Optuna's tables would share
+    one `alembic_version`), otherwise a SQLite file in the working folder."""
+    from sqlalchemy.engine import make_url
+
+    from orchestrate.tracking import absolute_uri
+
+    uri = absolute_uri(tracking_uri)
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        return f"sqlite:///{path.with_name(path.stem + '-optuna.db')}"
+    if uri.startswith("postgresql"):
+        url = make_url(uri)
+        return url.set(database=f"{url.database}_optuna").render_as_string(hide_password=False)
+    return f"sqlite:///{Path('optuna.db').resolve()}"
+
+
+def create_database(storage: str) -> None:
+    """A PostgreSQL storage's database, created if it is not there yet (Optuna creates tables, not databases)."""
+    if not storage.startswith("postgresql"):
+        return
+    import contextlib
+
+    import psycopg2
+    from sqlalchemy.engine import make_url
+
+    url = make_url(storage)
+    server = url.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
+    try:
+        with contextlib.closing(psycopg2.connect(server, connect_timeout=5)) as db:
+            db.autocommit = True  # CREATE DATABASE cannot run in a transaction
+            with db.cursor() as cur:
+                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (url.database,))
+                if cur.fetchone() is None:
+                    cur.execute(f'CREATE DATABASE "{url.database}"')
+    except psycopg2.Error as e:
+        raise ConfigError(f"hydra.sweeper.storage={redact_text(storage)}: database {url.database} could not be "
+                          f"created ({str(e).strip().splitlines()[0]}); create it, or set hydra.sweeper.storage "
+                          "to a database the trials can reach") from None
+
+
+def remote_trials(config: DictConfig) -> str | None:
+    """Why the trials may run on other machines (so a SQLite file here is out of their reach), or None."""
+    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    if launcher.endswith(".SlurmLauncher"):
+        return "hydra/launcher=submitit_slurm runs the trials on the cluster's nodes"
+    address = OmegaConf.select(config, "hydra.launcher.address", default=None)
+    if launcher.endswith("OrchestrateRayLauncher") and address not in (None, "local") \
+            and address.split("://")[-1].split(":")[0] not in ("127.0.0.1", "localhost"):
+        return f"hydra.launcher.address={address} runs the trials on the Ray cluster's nodes"
+    return None
+
+
+def open_study(conf: dict, config: DictConfig, space: SearchSpace):
+    """The study, created or (the same sweep run again) loaded; its storage and name."""
+    import optuna
+    from hydra.utils import instantiate
+
+    storage = conf["storage"] or default_storage(config.tracking.uri)
+    if not conf["storage"] and storage.startswith("sqlite") and (why := remote_trials(config)):
+        raise ConfigError(f"hydra.sweeper.storage=null: the study would be a SQLite file on this machine "
+                          f"({storage}), and {why}; set hydra.sweeper.storage to a database every node can "
+                          "reach (postgresql://USER:PASSWORD@HOST:PORT/DB)")
+    create_database(storage)
+    name = conf["study_name"] or f"{config.sweep.name}-{plan.sweep_key(config)}"
+    sampler_conf = OmegaConf.to_container(conf["sampler"], resolve=True)
+    if sampler_conf.get("_target_") == "optuna.samplers.GridSampler":
+        sampler_conf["search_space"] = space.grid()
+    direction = direction_of(conf["direction"])
+    if direction not in ("minimize", "maximize"):
+        raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=storage, study_name=name, sampler=instantiate(sampler_conf),
+                                pruner=instantiate(conf["pruner"]), direction=direction, load_if_exists=True)
+    if study.direction.name.lower() != direction:
+        raise ConfigError(f"hydra.sweeper.direction={direction}: study {name} in {redact_text(storage)} was "
+                          f"created to {study.direction.name.lower()}; set hydra.sweeper.study_name to start another")
+    return study, storage, name
+
+
+def direction_of(value: Any) -> str:
+    """minimize or maximize, from a string or orchestrate.schema.Direction."""
+    return str(getattr(value, "value", value)).lower()
+
+
+# ---- 3. the slots -------------------------------------------------------------------------------
+
+def slot_count(sweeper, n_jobs: int | None) -> int:
+    """Trials at once: hydra.sweeper.n_jobs, else what the launcher runs at once."""
+    target = f"{type(sweeper.launcher).__module__}.{type(sweeper.launcher).__name__}"
+    in_process = target == LOCAL_LAUNCHERS[0]
+    if n_jobs is not None:
+        if n_jobs < 1:
+            raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: must be at least 1, or null (what the launcher runs at once)")
+        if in_process and n_jobs > 1:
+            raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: hydra/launcher=basic runs one job at a time in this "
+                              "process; allowed: 1 or null, or hydra/launcher=orchestrate_ray for trials at once")
+        return n_jobs
+    slots = getattr(sweeper.launcher, "slots", None)
+    return slots() if callable(slots) else 1
+
+
+# ---- 4. the sweep ------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    number: int
+    overrides: list[str]
+    state: str  # COMPLETE, PRUNED, FAIL
+    value: float | None = None
+    pruned_at: int | None = None
+    error: BaseException | None = None
+
+
+def sweep(sweeper, arguments: list[str]) -> None:
+    import optuna
+    from optuna.trial import TrialState
+
+    conf, config = sweeper.conf, sweeper.config
+    space = SearchSpace.parse(conf.get("params"), arguments)
+    study, storage, name = open_study(conf, config, space)
+    # An earlier attempt that was killed left its running trials RUNNING: failed, and run again.
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+        if trial.state == TrialState.RUNNING:
+            study.tell(trial.number, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, skip_if_exists=True)
+    counted = (TrialState.COMPLETE, TrialState.PRUNED)
+    done = len(study.get_trials(deepcopy=False, states=counted))
+    to_run = max(0, int(conf["n_trials"]) - done)
+    slots = min(slot_count(sweeper, conf.get("n_jobs")), max(to_run, 1))
+    allowed_failures = int(float(conf["max_failure_rate"]) * int(conf["n_trials"]))
+    pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner", "?")
+    log.info(f"Optuna study '{name}' in {redact_text(storage)}: {done} of {conf['n_trials']} trials done; "
+             f"running {to_run}, {slots} at a time; pruner: {pruner}")
+
+    ended: queue.Queue = queue.Queue()
+    running: dict[int, Any] = {}
+    outcomes: list[Outcome] = []
+    failures: list[Outcome] = []
+
+    def start() -> None:
+        trial = study.ask(space.distributions)
+        shown = [f"{k}={v}" for k, v in trial.params.items()]  # what tells this trial apart
+        # The trial finds its study from the last two (orchestrate.sweeps.pruning.of_this_job):
+        # Hydra keeps `hydra.*` overrides out of the job's task overrides, which name the trial.
+        job = [*space.overrides(trial.params), f"hydra.sweeper.storage='{storage}'",
+               f"hydra.sweeper.study_name='{name}'"]
+        running[trial.number] = trial
+
+        def run() -> None:
+            ended.put((trial.number, shown, launch_one(sweeper.launcher, job, trial.number)))
+
+        if slots == 1:  # in this thread: the basic launcher runs the job in this process
+            run()
+        else:  # a daemon: Ctrl-C ends the sweep without waiting for the launcher's call to return
+            threading.Thread(target=run, name=f"trial-{trial.number}", daemon=True).start()
+
+    began = time.perf_counter()
+    launched = 0
+    while launched < to_run or running:
+        while launched < to_run and len(running) < slots and len(failures) <= allowed_failures:
+            start()
+            launched += 1
+        if not running:
+            break
+        number, overrides, ret = ended.get()
+        outcome = tell(study, running.pop(number), overrides, ret)
+        outcomes.append(outcome)
+        if outcome.state == "FAIL":
+            failures.append(outcome)
+        log.info(f"\t#{number} : {' '.join(overrides)} {describe(outcome)} "
+                 f"({time.perf_counter() - began:.1f} s into the sweep)")
+    write_results(config, study, storage, name)
+    if len(failures) > allowed_failures:
+        raise failures[0].error
+
+
+def launch_one(launcher, overrides: list[str], number: int) -> JobReturn:
+    try:
+        return launcher.launch([overrides], initial_job_idx=number)[0]
+    except BaseException as e:  # the launcher itself failed (e.g. no placement): the trial failed
+        return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=e)
+
+
+def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
+    """The ended job as the study's trial: PRUNED when its loop stopped where the pruner said
+    (the trial recorded the step), COMPLETE with the value it returned, FAIL otherwise."""
+    from optuna.trial import TrialState
+
+    if ret.status == JobStatus.FAILED:
+        study.tell(trial, state=TrialState.FAIL)
+        return Outcome(trial.number, overrides, "FAIL", error=ret._return_value)
+    pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
+    if pruned_at is not None:
+        frozen = study.tell(trial, state=TrialState.PRUNED)  # its value: the last one it reported
+        return Outcome(trial.number, overrides, "PRUNED", frozen.value, int(pruned_at))
+    value = ret.return_value
+    if not isinstance(value, (int, float)):
+        error = ValueError(f"trial {trial.number} returned {value!r}, not a number: does sweep.metric name a "
+                           "metric the run logs (eval_loss, eval_accuracy, train_loss)?")
+        study.tell(trial, state=TrialState.FAIL)
+        return Outcome(trial.number, overrides, "FAIL", error=error)
+    study.tell(trial, float(value))
+    return Outcome(trial.number, overrides, "COMPLETE", float(value))
+
+
+def describe(outcome: Outcome) -> str:
+    if outcome.state == "PRUNED":
+        return f"PRUNED at step {outcome.pruned_at}"
+    if outcome.state == "COMPLETE":
+        return f"COMPLETE, {outcome.value:.4g}"
+    return f"FAILED: {outcome.error}"
+
+
+def write_results(config: DictConfig, study, storage: str, name: str) -> None:
+    """optimization_results.yaml in the sweep folder, as Hydra's Optuna sweeper writes it."""
+    from optuna.trial import TrialState
+
+    counts = {s.name: len(study.get_trials(deepcopy=False, states=(s,)))
+              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    results: dict[str, Any] = {"name": "optuna", "study_name": name, "storage": redact_text(storage),
+                               "trials": counts}
+    if counts["COMPLETE"]:
+        results.update(best_params=study.best_params, best_value=study.best_value)
+    folder = Path(str(config.hydra.sweep.dir))
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(results), folder / "optimization_results.yaml")

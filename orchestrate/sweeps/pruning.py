@@ -1,0 +1,80 @@
+"""A trial of a pruning sweep (hydra/sweeper=orchestrate_optuna), as the training loop sees it.
+
+The sweeper (orchestrate.sweeps._optuna, in the launching process) asks its Optuna study for a
+trial and launches it as Hydra job number `trial.number`, with the study's storage and name as
+overrides of `hydra.sweeper`. Wherever the job runs (this process, a Ray worker, a Slurm node),
+it finds its trial from those (`of_this_job`); the meter then reports every evaluation of
+`sweep.metric` to it (`Trial.report`), and the study's pruner, which sees every trial's reports
+in the shared storage, says whether this one should stop. A trial that stops records the step in
+its Optuna trial (`pruned_at`), where the sweeper reads it to tell the study the trial was pruned.
+
+This module stays light: Optuna is imported at the first report, on the rank that evaluates.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrate.sweeps._summary import history_key
+
+SWEEPER = "hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper.OrchestrateOptunaSweeper"
+PRUNED_AT = "pruned_at"  # the Optuna trial's user attribute: the step its run stopped at
+
+
+@dataclass
+class Trial:
+    """One Optuna trial, reachable from any process that can reach its storage. Pickles (the
+    runner sends it to its workers); the study is opened at the first report."""
+
+    storage: str
+    study_name: str
+    number: int  # the trial's number in its study, which is the Hydra job's number
+    metric: str  # the history key the pruner is told: `eval/loss` for sweep.metric=eval_loss
+    pruner: dict  # hydra.sweeper.pruner: each process builds the same pruner to ask it
+    _trial: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_trial": None}
+
+    def report(self, step: int, metrics: dict[str, float], ask: bool = True) -> bool:
+        """Tell the study this evaluation; with `ask`, True when its pruner says the trial should
+        stop here (then recorded in the trial as `pruned_at`)."""
+        if self.metric not in metrics:
+            return False
+        trial = self._open()
+        trial.report(float(metrics[self.metric]), step)
+        if not ask or not trial.should_prune():
+            return False
+        trial.set_user_attr(PRUNED_AT, step)
+        return True
+
+    def _open(self):
+        if self._trial is None:
+            import optuna
+            from hydra.utils import instantiate
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" per trial
+            study = optuna.load_study(study_name=self.study_name, storage=self.storage,
+                                      pruner=instantiate(self.pruner) if self.pruner else None)
+            trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, self.number)
+            self._trial = optuna.trial.Trial(study, trial_id)
+        return self._trial
+
+
+def of_this_job(cfg: DictConfig) -> Trial | None:
+    """The Optuna trial this Hydra job runs, when it is a trial of a pruning sweep; else None (a
+    single run, another sweeper, or a sweep without a pruner)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    sweeper = hydra_cfg.sweeper
+    if OmegaConf.select(sweeper, "_target_") != SWEEPER or not sweeper.get("storage") or not sweeper.get("study_name"):
+        return None
+    pruner = OmegaConf.to_container(sweeper.pruner, resolve=True) if sweeper.get("pruner") else None
+    if not pruner or pruner.get("_target_") == "optuna.pruners.NopPruner":
+        return None  # nothing will ever be pruned: no report is worth its write to the storage
+    return Trial(storage=sweeper.storage, study_name=sweeper.study_name, number=int(hydra_cfg.job.num),
+                 metric=history_key(cfg.sweep.metric), pruner=pruner)
