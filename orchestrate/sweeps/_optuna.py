@@ -15,6 +15,7 @@ when a sweep starts. In order:
 """
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -241,6 +242,10 @@ def sweep(sweeper, arguments: list[str]) -> None:
     counted = (TrialState.COMPLETE, TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=counted))
     to_run = max(0, int(conf["n_trials"]) - done)
+    if isinstance(study.sampler, optuna.samplers.GridSampler):  # no more trials than the grid has points
+        to_run = min(to_run, max(0, math.prod(len(v) for v in space.grid().values()) - done))
+    # As in Study.optimize: a sampler may stop the study (GridSampler, once every point is taken).
+    study._thread_local.in_optimize_loop, study._stop_flag = True, False
     slots = min(slot_count(sweeper, conf.get("n_jobs")), max(to_run, 1))
     allowed_failures = int(float(conf["max_failure_rate"]) * int(conf["n_trials"]))
     pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner", "?")
@@ -272,7 +277,8 @@ def sweep(sweeper, arguments: list[str]) -> None:
     began = time.perf_counter()
     launched = 0
     while launched < to_run or running:
-        while launched < to_run and len(running) < slots and len(failures) <= allowed_failures:
+        while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
+               and not study._stop_flag):
             start()
             launched += 1
         if not running:

@@ -42,7 +42,9 @@ class Row:
 
     @property
     def shown_status(self) -> str:
-        return f"PRUNED at {self.pruned_at}" if self.pruned_at is not None else self.status
+        if self.pruned_at is None:
+            return self.status
+        return f"PRUNED at {self.pruned_at}" + (" (earlier attempt)" if self.status == "SKIPPED" else "")
 
 
 def history_key(metric: str) -> str:

@@ -1,0 +1,148 @@
+"""hydra/sweeper=orchestrate_optuna (hydra_plugins/orchestrate_optuna_sweeper, orchestrate.sweeps._optuna
+and .pruning): the plugin is found, Hydra's Optuna search-space syntax becomes the same
+distributions, the study lives beside the MLflow store, and end to end (`python -m orchestrate`
+as a subprocess, read back through MlflowClient and Optuna): losing trials stop at an evaluation,
+FINISHED with a `pruned` tag, on Hydra's basic launcher and on orchestrate's Ray launcher, where
+a freed slot starts the next trial while the others still run; the same sweep run again continues
+its study without running a trial twice."""
+
+import re
+
+import optuna
+import pytest
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper import OrchestrateOptunaSweeper
+from orchestrate.schema import ConfigError
+from orchestrate.sweeps import _optuna
+from tests.conftest import sweep_runs
+from tests.sweeps.test_sweeps import QUICK, sweep
+
+# Three learning rates as a grid (a seeded order), the worst last: the median pruner (after one
+# trial that runs to the end) stops it at its first evaluation, where it is far behind.
+PRUNED_SWEEP = ["+sweep=lr_optuna", "backend=torch", *QUICK, "trainer.max_steps=40", "trainer.evaluation_period=10",
+                "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=1",
+                "hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1",
+                "hydra.sweeper.params={optimizer.lr: 'choice(0.03, 0.01, 0.00001)', trainer.batch_size: '32'}"]
+
+
+def test_discovery_and_its_config_groups() -> None:
+    assert OrchestrateOptunaSweeper.__name__ in [x.__name__ for x in Plugins.instance().discover(Sweeper)]
+    repo = ConfigStore.instance().repo["hydra"]["sweeper"]
+    assert "orchestrate_optuna.yaml" in repo
+    assert {"tpe.yaml", "random.yaml", "grid.yaml"} <= set(repo["sampler"])
+    assert {"median.yaml", "successive_halving.yaml", "hyperband.yaml", "none.yaml"} <= set(repo["pruner"])
+
+
+def test_hydras_optuna_syntax_becomes_the_same_distributions() -> None:
+    space = _optuna.SearchSpace.parse(
+        {"optimizer.lr": "tag(log, interval(1e-4, 3e-2))", "trainer.batch_size": "choice(32, 64, 128)",
+         "model.depth": "range(1, 10, 3)", "x": "interval(0.1, 0.5)", "n": "int(interval(1, 5))"},
+        ["trainer.max_steps=50", "backend=choice(torch, ondevice)", "x=0.2"])
+    d = space.distributions
+    assert d["optimizer.lr"] == FloatDistribution(1e-4, 3e-2, log=True)
+    assert d["trainer.batch_size"] == CategoricalDistribution([32, 64, 128])
+    assert d["model.depth"] == IntDistribution(1, 7, step=3)  # range's stop is excluded, as in Hydra's grid
+    assert d["n"] == IntDistribution(1, 5)
+    assert d["backend"] == CategoricalDistribution(["torch", "ondevice"])
+    assert "x" not in d and space.fixed == {"trainer.max_steps": "50", "x": "0.2"}  # the command line's wins
+    assert space.overrides({"optimizer.lr": 0.001}) == ["optimizer.lr=0.001", "trainer.max_steps=50", "x=0.2"]
+    with pytest.raises(ConfigError, match="sampler=grid runs every combination and cannot draw from an interval"):
+        space.grid()
+    with pytest.raises(ConfigError, match="nothing to search"):
+        _optuna.SearchSpace.parse({"a": "1"}, [])
+
+
+def test_the_study_lives_beside_the_mlflow_store(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _optuna.default_storage("sqlite:///runs/mlflow.db") == f"sqlite:///{tmp_path}/runs/mlflow-optuna.db"
+    assert _optuna.default_storage("postgresql://u:p@db:5432/mlflow") == "postgresql://u:p@db:5432/mlflow_optuna"
+    assert _optuna.default_storage("http://127.0.0.1:5000") == f"sqlite:///{tmp_path}/optuna.db"
+    slurm = OmegaConf.create({"hydra": {"launcher": {"_target_": "x.SlurmLauncher"}}})
+    assert "cluster's nodes" in _optuna.remote_trials(slurm)
+    ray = OmegaConf.create({"hydra": {"launcher": {"_target_": "a.OrchestrateRayLauncher", "address": "10.0.0.5:6379"}}})
+    assert "10.0.0.5" in _optuna.remote_trials(ray)
+    ray.hydra.launcher.address = None
+    assert _optuna.remote_trials(ray) is None
+
+
+def study_of(folder):
+    (summary,) = optuna.get_all_study_summaries(f"sqlite:///{folder}/mlflow-optuna.db")
+    return optuna.load_study(study_name=summary.study_name, storage=f"sqlite:///{folder}/mlflow-optuna.db")
+
+
+def by_lr(children) -> dict[str, object]:
+    return {c.data.params["optimizer.lr"]: c for c in children}
+
+
+@pytest.fixture(scope="module")
+def pruned_on_basic(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("basic")
+    done = sweep(*PRUNED_SWEEP, "hydra/launcher=basic", "hydra.sweeper.n_trials=2", cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = sweep(*PRUNED_SWEEP, "hydra/launcher=basic", "hydra.sweeper.n_trials=3", cwd=cwd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return cwd, done, again
+
+
+def test_a_losing_trial_stops_at_an_evaluation_finished_and_tagged(pruned_on_basic):
+    """The grid's seeded order runs lr=0.03 first (to the end: the pruner's one startup trial);
+    both later trials are behind it at their first evaluation and stop there."""
+    cwd, _, again = pruned_on_basic
+    client, (parent,), children = sweep_runs(cwd)
+    runs = by_lr(children)
+    assert set(runs) == {"0.03", "0.01", "1e-05"} and all(r.info.status == "FINISHED" for r in children)
+    first = runs["0.03"]
+    assert "pruned" not in first.data.tags
+    assert [m.step for m in client.get_metric_history(first.info.run_id, "eval/loss")] == [10, 20, 30, 40]
+    at_10 = {lr: client.get_metric_history(r.info.run_id, "eval/loss")[0].value for lr, r in runs.items()}
+    for lr in ("0.01", "1e-05"):
+        assert runs[lr].data.tags["pruned"] == "10" and at_10[lr] > at_10["0.03"]
+        assert [m.step for m in client.get_metric_history(runs[lr].info.run_id, "eval/loss")] == [10]
+        assert runs[lr].data.metrics["final/pruned_at"] == 10
+    study = study_of(cwd)
+    assert {t.params["optimizer.lr"]: t.state.name for t in study.trials} == {
+        0.03: "COMPLETE", 0.01: "PRUNED", 1e-05: "PRUNED"}
+    assert study.best_params == {"optimizer.lr": 0.03}
+    # The summary says where, and what the sweep spent: 40 + 10 + 10 trial-steps of 3 x 40.
+    assert len(re.findall(r"\| PRUNED at 10( \(earlier attempt\))? \|", again.stdout)) == 2
+    assert "pruned: 2 of 3 trials: 1 (step 10), 2 (step 10); trial-steps run: 60 of 120 without pruning " \
+           "(50% of the budget)" in again.stdout
+
+
+def test_the_same_sweep_again_continues_its_study(pruned_on_basic):
+    """The second command asked for 3 trials in all: only the third ran, under the same parent run."""
+    cwd, done, again = pruned_on_basic
+    client, parents, children = sweep_runs(cwd)
+    assert len(parents) == 1 and len(children) == 3
+    assert "2 of 3 trials done; running 1" in again.stdout
+    assert len(study_of(cwd).trials) == 3
+    # The first command's two, not run again: one finished, one pruned.
+    assert again.stdout.count("| SKIPPED |") == 1 and again.stdout.count("| PRUNED at 10 (earlier attempt) |") == 1
+
+
+def test_a_pruned_sweep_on_ray_keeps_both_slots_busy(tmp_path):
+    """Two slots (2 CPUs), a grid of long and short trials in a seeded order: (lr 0.03, 1500 steps)
+    and (0.03, 300) start together; when the short one ends, its slot takes (1e-05, 300) at once,
+    while the long one still runs (a batch sweeper would wait for it), and that trial, behind the
+    finished one at its first evaluation, is pruned there; so is (1e-05, 1500) after it."""
+    args = ["+sweep=lr_optuna", "backend=torch", *QUICK, "trainer.evaluation_period=50", "trainer.display_loss_steps=50",
+            "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=4", "hydra/sweeper/pruner=median",
+            "hydra.sweeper.pruner.n_startup_trials=1", "hydra.sweeper.n_trials=4", "hydra.launcher.num_cpus=2",
+            "hydra.sweeper.params={optimizer.lr: 'choice(0.03, 0.00001)', trainer.batch_size: '32'}",
+            "trainer.max_steps=choice(1500, 300)"]  # a sweep on the command line joins the search space
+    done = sweep(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "running 4, 2 at a time" in done.stdout
+    client, _, children = sweep_runs(tmp_path)
+    runs = {(c.data.params["optimizer.lr"], c.data.params["trainer.max_steps"]): c.info for c in children}
+    tags = {key: c.data.tags.get("pruned") for key, c in zip(runs, children)}
+    assert tags == {("0.03", "1500"): None, ("0.03", "300"): None, ("1e-05", "300"): "50", ("1e-05", "1500"): "50"}
+    assert all(info.status == "FINISHED" for info in runs.values())
+    long, short, freed = runs["0.03", "1500"], runs["0.03", "300"], runs["1e-05", "300"]
+    assert short.end_time <= freed.start_time < long.end_time, (short, freed, long)
