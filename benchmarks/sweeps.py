@@ -3,8 +3,13 @@
   first    time from the command to the first trial's first step, and when each phase was done
   compose  composing and checking every trial up front, for 10, 100 and 300 trials
   pack     an 8-trial sweep on the machine's cores against the ideal (8 x one trial alone / 2)
+  prune    a 16-trial search (learning rate x model width) on the character language model, run to
+           the end and with each of Optuna's pruners (hydra/sweeper=orchestrate_optuna): the best
+           eval loss, trial-steps and wall time of each against the unpruned sweep; every trial's
+           eval curve with its pruning point in docs/pruning.png
 
-    python benchmarks/sweeps.py                                  # all three
+    python benchmarks/sweeps.py                                  # first, compose, pack
+    python benchmarks/sweeps.py --parts prune                    # ~15 minutes on 2 cores
     python benchmarks/sweeps.py --parts first --steps 100
     python benchmarks/sweeps.py --parts compose --trials 10 100
 
@@ -174,6 +179,77 @@ def part_pack(steps: int, trials: int = 8) -> dict[str, float]:
     return out
 
 
+PRUNERS = ["none", "median", "successive_halving", "hyperband"]
+# The same 16 grid points in the same seeded order for every pruner (GridSampler, seed 0).
+SEARCH = ["optimizer.lr=choice(0.0003,0.001,0.003,0.01)", "model.n_embd=choice(32,64,96,128)", "trainer.batch_size=16"]
+
+
+def part_prune(steps: int, png: Path) -> list[dict]:
+    from mlflow.tracking import MlflowClient
+
+    rows, curves = [], {}
+    for pruner in PRUNERS:
+        args = ["+experiment=char_lm", "+sweep=lr_optuna", "backend=torch", f"trainer.max_steps={steps}",
+                "trainer.evaluation_period=50", "trainer.checkpoint_period=0", "trainer.progress=false",
+                "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=0", f"hydra/sweeper/pruner={pruner}",
+                "hydra.sweeper.n_trials=16", *SEARCH]
+        with tempfile.TemporaryDirectory() as tmp:
+            _, lines, wall = run_sweep(args, Path(tmp))
+            client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+            (experiment,) = [e for e in client.search_experiments() if e.name == "char_lm"]
+            trials = [r for r in client.search_runs([experiment.experiment_id], max_results=100)
+                      if "mlflow.parentRunId" in r.data.tags]
+            curves[pruner] = []
+            for r in trials:
+                history = sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "eval/loss"))
+                curves[pruner].append((r.data.params["optimizer.lr"], r.data.params["model.n_embd"], history,
+                                       r.data.tags.get("pruned")))
+        best = min(v for *_, history, _ in curves[pruner] for _, v in history)
+        trial_steps = sum(int(pruned or steps) for *_, pruned in curves[pruner])
+        rows.append({"pruner": pruner, "trials": len(trials), "pruned": sum(bool(p) for *_, p in curves[pruner]),
+                     "best eval loss": best, "trial-steps": trial_steps, "wall s": wall})
+        print(f"{pruner}: best {best:.4f}, {trial_steps} trial-steps, {wall:.0f} s", flush=True)
+    base = rows[0]
+    print(f"\n### Pruning: 16 trials (lr x width) of {steps} steps, char_transformer on python_source, torch, "
+          f"{os.cpu_count()} cores\n")
+    print("| pruner | pruned | best eval loss | vs unpruned best | trial-steps | of unpruned | wall s | of unpruned |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['pruner']} | {r['pruned']} of {r['trials']} | {r['best eval loss']:.4f} | "
+              f"{100 * (r['best eval loss'] / base['best eval loss'] - 1):+.2f}% | {r['trial-steps']:,} | "
+              f"{100 * r['trial-steps'] / base['trial-steps']:.0f}% | {r['wall s']:.0f} | "
+              f"{100 * r['wall s'] / base['wall s']:.0f}% |")
+    plot_pruning(curves, steps, png)
+    return rows
+
+
+def plot_pruning(curves: dict, steps: int, png: Path) -> None:
+    """One panel per pruner: every trial's eval loss curve, an x where the pruner stopped it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6), sharey=True, squeeze=False)
+    for ax, (pruner, trials) in zip(axes[0], curves.items()):
+        for lr, width, history, pruned in trials:
+            if not history:
+                continue
+            x, y = zip(*history)
+            line, = ax.plot(x, y, lw=1, alpha=0.8)
+            if pruned:
+                ax.plot(x[-1], y[-1], "x", color=line.get_color(), ms=7)
+        ax.set_title(f"pruner: {pruner}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_xlim(0, steps)
+    axes[0][0].set_ylabel("eval loss")
+    fig.suptitle("16 trials (lr x width), char LM: eval loss; x = pruned there", fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    print(f"\nwrote {png}")
+
+
 def plot(first, compose, pack, png: Path) -> None:
     import matplotlib
 
@@ -217,16 +293,22 @@ def plot(first, compose, pack, png: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["first", "compose", "pack"], choices=["first", "compose", "pack"])
+    parser.add_argument("--parts", nargs="+", default=["first", "compose", "pack"],
+                        choices=["first", "compose", "pack", "prune"])
     parser.add_argument("--steps", type=int, default=300, help="steps per trial (first, pack)")
     parser.add_argument("--trials", type=int, nargs="+", default=[10, 100, 300], help="sweep sizes for compose")
     parser.add_argument("--png", default=str(Path(__file__).resolve().parents[1] / "docs" / "sweeps.png"))
+    parser.add_argument("--prune-steps", type=int, default=300, help="steps per trial (prune)")
+    parser.add_argument("--prune-png", default=str(Path(__file__).resolve().parents[1] / "docs" / "pruning.png"))
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores; timings from one run on a shared machine")
     first = part_first(args.steps) if "first" in args.parts else None
     compose = part_compose(args.trials) if "compose" in args.parts else None
     pack = part_pack(args.steps) if "pack" in args.parts else None
-    plot(first, compose, pack, Path(args.png))
+    if first or compose or pack:
+        plot(first, compose, pack, Path(args.png))
+    if "prune" in args.parts:
+        part_prune(args.prune_steps, Path(args.prune_png))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ POSTGRES_TIMEOUT_S = 60  # pg_ctl start/stop
 CONNECT_TIMEOUT_S = 5  # an existing PostgreSQL (--backend-store-uri)
 DEBIAN_BINS = "/usr/lib/postgresql/*/bin"  # Debian's and Ubuntu's packages put the server here, off PATH
 USER, DATABASE = "mlflow", "mlflow"  # the own cluster's role and database
+# Optuna's studies (hydra/sweeper=orchestrate_optuna) in a database of their own: MLflow's and
+# Optuna's schema migrations would share one `alembic_version` table.
+STUDIES = f"{DATABASE}_optuna"
 
 
 class ServerError(RuntimeError):
@@ -257,9 +260,10 @@ class Postgres:
                                                  connect_timeout=CONNECT_TIMEOUT_S)) as db:
             db.autocommit = True  # CREATE DATABASE cannot run in a transaction
             with db.cursor() as cur:
-                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
-                if cur.fetchone() is None:
-                    cur.execute(f"CREATE DATABASE {DATABASE}")
+                for name in (DATABASE, STUDIES):
+                    cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+                    if cur.fetchone() is None:
+                        cur.execute(f"CREATE DATABASE {name}")
         return uri
 
     def stop(self) -> None:
@@ -303,6 +307,7 @@ def main(argv: list[str]) -> int:
     try:
         with contextlib.ExitStack() as running:
             check_port(args.host, args.port, "--port")
+            studies = ""
             if args.backend_store_uri:
                 check_reachable(args.backend_store_uri)
                 store_uri, store = args.backend_store_uri, redacted(args.backend_store_uri)
@@ -313,12 +318,14 @@ def main(argv: list[str]) -> int:
                 postgres.init()
                 store_uri = postgres.start()
                 store = f"PostgreSQL in {postgres.data} on 127.0.0.1:{postgres.port}"
+                studies = (f"\nOptuna studies of pruning sweeps on this machine: hydra.sweeper.storage=postgresql://"
+                           f"{USER}:PASSWORD@127.0.0.1:{postgres.port}/{STUDIES} (PASSWORD in {postgres.password_file})")
             server = MlflowServer(with_driver(store_uri), artifacts, args.host, args.port)
             running.callback(server.stop)
             reach = f"http://{socket.gethostname()}:{args.port}" if args.host == "0.0.0.0" else server.uri
             print(f"\nMLflow server on {server.uri} (store: {store}; artifacts: {artifacts})\n"
                   f"Log runs to it: python -m orchestrate tracking=server"
-                  f"{'' if reach == 'http://127.0.0.1:5000' else f' tracking.uri={reach}'}\n"
+                  f"{'' if reach == 'http://127.0.0.1:5000' else f' tracking.uri={reach}'}{studies}\n"
                   "Ctrl-C stops it.", flush=True)
             code = server.proc.wait()
             print(f"error: mlflow server exited with code {code}", file=sys.stderr)

@@ -58,11 +58,17 @@ def trials(cfg: DictConfig) -> list[list[str]]:
 
 
 def search_space(cfg: DictConfig) -> list[str]:
-    """The sweep's overrides as written (`hydra.sweeper.params`, then the command line's sweeps)."""
+    """The sweep's search space as written: `hydra.sweeper.params`, where the command line's
+    overrides of the same key replace them (a fixed value takes the key out of the space)."""
     node = OmegaConf.select(cfg, "hydra.sweeper.params")
     params = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    return [f"{k}={v}" for k, v in params.items()] + [o for o in cfg.hydra.overrides.task
-                                                      if any(c in o for c in ",(")]
+    space = {k: f"{k}={v}" for k, v in params.items()}
+    for override in cfg.hydra.overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        space.pop(key, None)
+        if any(c in override for c in ",("):
+            space[key] = override
+    return list(space.values())
 
 
 def is_grid(cfg: DictConfig) -> bool:
