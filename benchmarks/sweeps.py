@@ -26,6 +26,7 @@ markdown tables; writes docs/sweeps.png.
 """
 
 import argparse
+import json
 import os
 import re
 import sqlite3
@@ -184,15 +185,18 @@ PRUNERS = ["none", "median", "successive_halving", "hyperband"]
 SEARCH = ["optimizer.lr=choice(0.0003,0.001,0.003,0.01)", "model.n_embd=choice(32,64,96,128)", "trainer.batch_size=16"]
 
 
-def part_prune(steps: int, png: Path) -> list[dict]:
+def part_prune(steps: int, png: Path, pruners: list[str] = PRUNERS, every: int = 50) -> list[dict]:
+    """Each pruner's sweep (the first, `none`, is the baseline the others are compared with); a
+    pruner's settings can follow its name: `successive_halving:reduction_factor=3`."""
     from mlflow.tracking import MlflowClient
 
     rows, curves = [], {}
-    for pruner in PRUNERS:
+    for pruner in pruners:
+        name, *settings = pruner.split(":")
         args = ["+experiment=char_lm", "+sweep=lr_optuna", "backend=torch", f"trainer.max_steps={steps}",
-                "trainer.evaluation_period=50", "trainer.checkpoint_period=0", "trainer.progress=false",
-                "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=0", f"hydra/sweeper/pruner={pruner}",
-                "hydra.sweeper.n_trials=16", *SEARCH]
+                f"trainer.evaluation_period={every}", "trainer.checkpoint_period=0", "trainer.progress=false",
+                "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=0", f"hydra/sweeper/pruner={name}",
+                *(f"hydra.sweeper.pruner.{s}" for s in settings), "hydra.sweeper.n_trials=16", *SEARCH]
         with tempfile.TemporaryDirectory() as tmp:
             _, lines, wall = run_sweep(args, Path(tmp))
             client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
@@ -210,8 +214,8 @@ def part_prune(steps: int, png: Path) -> list[dict]:
                      "best eval loss": best, "trial-steps": trial_steps, "wall s": wall})
         print(f"{pruner}: best {best:.4f}, {trial_steps} trial-steps, {wall:.0f} s", flush=True)
     base = rows[0]
-    print(f"\n### Pruning: 16 trials (lr x width) of {steps} steps, char_transformer on python_source, torch, "
-          f"{os.cpu_count()} cores\n")
+    print(f"\n### Pruning: 16 trials (lr x width) of {steps} steps, evaluated every {every}, char_transformer on "
+          f"python_source, torch, {os.cpu_count()} cores\n")
     print("| pruner | pruned | best eval loss | vs unpruned best | trial-steps | of unpruned | wall s | of unpruned |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -220,6 +224,8 @@ def part_prune(steps: int, png: Path) -> list[dict]:
               f"{100 * r['trial-steps'] / base['trial-steps']:.0f}% | {r['wall s']:.0f} | "
               f"{100 * r['wall s'] / base['wall s']:.0f}% |")
     plot_pruning(curves, steps, png)
+    # Every trial's eval curve, to try other pruner settings on the same curves without rerunning.
+    png.with_suffix(".json").write_text(json.dumps({"steps": steps, "rows": rows, "curves": curves}, indent=1))
     return rows
 
 
@@ -299,6 +305,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, nargs="+", default=[10, 100, 300], help="sweep sizes for compose")
     parser.add_argument("--png", default=str(Path(__file__).resolve().parents[1] / "docs" / "sweeps.png"))
     parser.add_argument("--prune-steps", type=int, default=300, help="steps per trial (prune)")
+    parser.add_argument("--eval-every", type=int, default=50, help="prune: trainer.evaluation_period (the pruners' steps)")
+    parser.add_argument("--pruners", nargs="+", default=PRUNERS,
+                        help="prune: the pruners to compare, the first the baseline (e.g. none median:n_startup_trials=2)")
     parser.add_argument("--prune-png", default=str(Path(__file__).resolve().parents[1] / "docs" / "pruning.png"))
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores; timings from one run on a shared machine")
@@ -308,7 +317,7 @@ def main() -> None:
     if first or compose or pack:
         plot(first, compose, pack, Path(args.png))
     if "prune" in args.parts:
-        part_prune(args.prune_steps, Path(args.prune_png))
+        part_prune(args.prune_steps, Path(args.prune_png), args.pruners, args.eval_every)
 
 
 if __name__ == "__main__":

@@ -206,8 +206,12 @@ class Job:
         position = (step - 1) * t.gradient_accumulation_steps + micro
         return self.data.train_batch(position, t.batch_size, t.seed, p.rank, p.world_size)
 
-    def export_model(self, write) -> Path:
-        """Save the trained model as ONNX for inference (`model.onnx`) and log it to the run."""
+    def export_model(self, write) -> Path | None:
+        """Save the trained model as ONNX for inference (`model.onnx`) and log it to the run. Not
+        for a trial a sweep's pruner stopped: it lost, and its export (a second or more for a
+        transformer) would be most of what a trial pruned early costs; its checkpoints stay."""
+        if self.meter.pruned_at is not None:
+            return None
         path = self.out_dir / "model.onnx"
         path.parent.mkdir(parents=True, exist_ok=True)
         write(path)

@@ -68,3 +68,55 @@ def test_skipped_steps_are_counted_and_left_out_of_the_mean_loss(tmp_path):
     assert meter.history["train/skipped_steps"] == [(2, 1), (3, 2)]
     assert meter.history["train/loss"] == [(4, 2.5)]  # steps 1 and 4
     assert meter.summary()["skipped_steps"] == 2
+
+
+class StopAt:
+    """A pruning sweep's trial (orchestrate.sweeps.pruning.Trial) whose pruner says stop at `step`."""
+
+    def __init__(self, step: int):
+        self.step, self.told, self.asked = step, [], []
+
+    def report(self, step, metrics, ask=True):
+        self.told.append((step, metrics["eval/loss"]))
+        if ask:
+            self.asked.append(step)
+        return ask and step >= self.step
+
+
+def test_a_pruned_trial_stops_after_the_evaluation_where_its_pruner_says(tmp_path):
+    meter = make_meter(tmp_path, max_steps=40, display_loss_steps=5, evaluation_period=10)
+    meter.trial = StopAt(20)
+    ran = []
+    for step in meter.steps():
+        ran.append(step)
+        meter.record(step, 1.0)
+        meter.evaluate(step, lambda: (1.0 / step, None))
+        if meter.stop_early(step):
+            break
+    assert ran[-1] == 20 and meter.pruned_at == 20 and meter.summary()["pruned_at"] == 20
+    assert [s for s, _ in meter.trial.told] == [10, 20]
+    assert "wall_time_s" in meter.final  # the loop ended early: still timed
+
+
+def test_the_last_step_is_reported_but_never_pruned(tmp_path):
+    meter = make_meter(tmp_path, max_steps=20, evaluation_period=10)
+    meter.trial = StopAt(20)
+    for step in meter.steps():
+        meter.evaluate(step, lambda: (0.5, None))
+        assert not meter.stop_early(step)
+    assert meter.trial.told == [(10, 0.5), (20, 0.5)] and meter.trial.asked == [10]
+    assert meter.pruned_at is None
+
+
+def test_other_ranks_stop_where_the_logging_rank_says(tmp_path):
+    """Rank 1 neither evaluates nor asks: it takes rank 0's answer (`agree`: true on every rank)."""
+    t = TrainerConf(progress=False, max_steps=30, evaluation_period=10)
+    rank0_says = {10: False, 20: True}
+    meter = Meter(t, "rank1", lr=0.1, samples_per_step=1, out_dir=tmp_path, logging=False,
+                  agree=lambda flag: flag and rank0_says[step])
+    meter.trial = StopAt(0)
+    for step in meter.steps():
+        meter.evaluate(step, lambda: pytest.fail("rank 1 evaluated"))
+        if meter.stop_early(step):
+            break
+    assert step == 20 and meter.trial.told == []

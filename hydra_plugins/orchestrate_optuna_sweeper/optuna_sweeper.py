@@ -41,8 +41,10 @@ class TPESamplerConf:
 
 @dataclass
 class RandomSamplerConf:
+    """Independent uniform draws from the search space."""
+
     _target_: str = "optuna.samplers.RandomSampler"
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # the same seed draws the same trials
 
 
 @dataclass
@@ -51,7 +53,7 @@ class GridSamplerConf:
     search space is filled in from hydra.sweeper.params (an interval cannot be a grid)."""
 
     _target_: str = "optuna.samplers.GridSampler"
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # the order the points are taken in (the same seed: the same order)
 
 
 @dataclass
@@ -72,7 +74,9 @@ class SuccessiveHalvingPrunerConf:
     trials that reached that rung; no trial waits for another."""
 
     _target_: str = "optuna.pruners.SuccessiveHalvingPruner"
-    min_resource: Any = "auto"  # steps before the first rung; auto: from the first finished trial
+    # Steps before the first rung; auto: one evaluation period of the app (trainer.evaluation_period,
+    # orchestrate.sweeps.pruning.pruner_settings), not Optuna's estimate from the first finished trial.
+    min_resource: Any = "auto"
     reduction_factor: int = 4  # keep the top 1/reduction_factor at each rung
     min_early_stopping_rate: int = 0  # skip this many rungs at the start
     bootstrap_count: int = 0  # trials that must reach a rung before it can prune
@@ -83,10 +87,10 @@ class HyperbandPrunerConf:
     """Several successive-halving brackets with different first rungs, trials spread across them."""
 
     _target_: str = "optuna.pruners.HyperbandPruner"
-    min_resource: int = 1  # steps before the first rung of the most aggressive bracket
-    max_resource: Any = "auto"  # a trial's full length; auto: from the first finished trial
-    reduction_factor: int = 3
-    bootstrap_count: int = 0
+    min_resource: Any = "auto"  # steps before the first rung of the most aggressive bracket; auto: one evaluation period
+    max_resource: Any = "auto"  # a trial's full length; auto: trainer.max_steps
+    reduction_factor: int = 3  # keep the top 1/reduction_factor at each rung; also sets the number of brackets
+    bootstrap_count: int = 0  # trials that must reach a rung before it can prune
 
 
 @dataclass
@@ -123,8 +127,8 @@ class OrchestrateOptunaSweeperConf:
     n_jobs: Optional[int] = None
     # Failed trials tolerated, as a fraction of n_trials; past it the sweep stops with the first error.
     max_failure_rate: float = 0.0
-    sampler: Any = MISSING
-    pruner: Any = MISSING
+    sampler: Any = MISSING  # hydra/sweeper/sampler: tpe (default), random, grid
+    pruner: Any = MISSING  # hydra/sweeper/pruner: successive_halving (default), median, hyperband, none
     # The search space: key -> choice(...), range(...), interval(...), tag(log, interval(...)), or a
     # fixed value, as Hydra's Optuna sweeper reads it. Sweeps on the command line are added to it.
     params: Optional[Dict[str, str]] = None

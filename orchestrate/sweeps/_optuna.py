@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate.redact import redact_text
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import plan
-from orchestrate.sweeps.pruning import PRUNED_AT
+from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
 
 log = logging.getLogger(__name__)
 LOCAL_LAUNCHERS = ("hydra._internal.core_plugins.basic_launcher.BasicLauncher",
@@ -185,8 +185,9 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     if direction not in ("minimize", "maximize"):
         raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    pruner = pruner_settings(OmegaConf.to_container(conf["pruner"], resolve=True), config.trainer)
     study = optuna.create_study(storage=storage, study_name=name, sampler=instantiate(sampler_conf),
-                                pruner=instantiate(conf["pruner"]), direction=direction, load_if_exists=True)
+                                pruner=instantiate(pruner), direction=direction, load_if_exists=True)
     if study.direction.name.lower() != direction:
         raise ConfigError(f"hydra.sweeper.direction={direction}: study {name} in {redact_text(storage)} was "
                           f"created to {study.direction.name.lower()}; set hydra.sweeper.study_name to start another")

@@ -77,4 +77,21 @@ def of_this_job(cfg: DictConfig) -> Trial | None:
     if not pruner or pruner.get("_target_") == "optuna.pruners.NopPruner":
         return None  # nothing will ever be pruned: no report is worth its write to the storage
     return Trial(storage=sweeper.storage, study_name=sweeper.study_name, number=int(hydra_cfg.job.num),
-                 metric=history_key(cfg.sweep.metric), pruner=pruner)
+                 metric=history_key(cfg.sweep.metric), pruner=pruner_settings(pruner, cfg.trainer))
+
+
+def pruner_settings(pruner: dict, trainer) -> dict:
+    """The pruner's settings as the sweeper and every trial build it, `auto` resources made
+    concrete from the trainer. `min_resource: auto` (successive halving, hyperband) is one
+    evaluation period, the first step a pruner hears of: Optuna's own `auto` waits for a finished
+    trial, and the trials that ran before that then file the values they report at later steps
+    under the early rungs, against which every later trial looks far behind (measured: the best of
+    16 char-LM trials pruned at its first evaluation). Hyperband's `max_resource: auto` is
+    trainer.max_steps."""
+    pruner = dict(pruner)
+    period, steps = trainer.evaluation_period, trainer.max_steps
+    if pruner.get("min_resource") == "auto" and period > 0:
+        pruner["min_resource"] = min(period, steps)
+    if pruner.get("max_resource") == "auto":
+        pruner["max_resource"] = steps
+    return pruner

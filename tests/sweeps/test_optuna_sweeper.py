@@ -146,3 +146,16 @@ def test_a_pruned_sweep_on_ray_keeps_both_slots_busy(tmp_path):
     assert all(info.status == "FINISHED" for info in runs.values())
     long, short, freed = runs["0.03", "1500"], runs["0.03", "300"], runs["1e-05", "300"]
     assert short.end_time <= freed.start_time < long.end_time, (short, freed, long)
+
+
+@pytest.mark.slow
+def test_the_runners_workers_stop_together_where_the_pruner_says(tmp_path):
+    """Two ranks on Ray Train: rank 0 evaluates and asks the study, both stop at its step."""
+    done = sweep(*PRUNED_SWEEP, "hydra/launcher=basic", "hydra.sweeper.n_trials=3", "backend=runner",
+                 "backend.engine=torch", "trainer.num_workers=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client, _, children = sweep_runs(tmp_path)
+    runs = by_lr(children)
+    assert {lr: r.data.tags.get("pruned") for lr, r in runs.items()} == {"0.03": None, "0.01": "10", "1e-05": "10"}
+    assert all(r.info.status == "FINISHED" and r.data.tags["backend"] == "runner" for r in children)
+    assert [m.step for m in client.get_metric_history(runs["0.01"].info.run_id, "eval/loss")] == [10]
