@@ -150,6 +150,10 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"
              if "pruned_at" not in m else f"backend {job.backend.name}: stopped by the sweep's pruner at step "
              f"{m['pruned_at']:.0f} of {cfg.trainer.max_steps}, in {m.get('wall_time_s', 0):.1f} s"]
+    t = job.trainer  # the precision it trained in; on CUDA in fp32, whether matrix products used TF32
+    tf32 = f" (TF32 matrix products: trainer.tf32={str(t.tf32).lower()})" if t.device.value == "cuda" \
+        and t.precision.value == "fp32" else ""
+    lines.append(f"  {'precision':<18} {t.precision.value}{tf32}")
     for key, label in [("train_loss", "final train loss"), ("eval_loss", "eval loss"),
                        ("eval_accuracy", "eval accuracy"), ("samples_per_sec", "samples/s"),
                        ("step_time_ms", "step time (ms)")]:

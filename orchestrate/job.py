@@ -158,6 +158,7 @@ class Job:
         check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
         job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
                   parallel=parallel or Parallel(), rng_after_build=rng_after_build)
+        backend.check_precision(job)
         backend.check_workers(job)
         if cfg.trainer.resume and not backend.resumable:
             raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "

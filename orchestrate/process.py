@@ -21,11 +21,12 @@ from orchestrate import ort, tracking
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
-    """Restore torch's thread counts, the environment variables, MLflow's tracking URI, the
+    """Restore torch's thread counts and TF32 flags, the environment variables, MLflow's tracking URI, the
     logging setup (logger levels, handler filters, whether Python warnings go to logging), ORT's
     default logger severity and the SIGINT and SIGTERM handlers on the way out (Ray Train's
     `fit` installs a SIGINT handler of its own and never takes it back)."""
     threads, environ, uri = torch.get_num_threads(), dict(os.environ), tracking.mlflow_uri()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # trainer.tf32
     logs, severity = _logging_state(), ort.default_severity()
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS} if _main_thread() else {}
     try:
@@ -40,6 +41,7 @@ def kept() -> Iterator[None]:
         tracking.set_mlflow_uri(uri)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         for key in [k for k in os.environ if k not in environ]:
             del os.environ[key]
         for key, value in environ.items():

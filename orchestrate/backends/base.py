@@ -24,10 +24,20 @@ class Backend(ABC):
     resumable = False  # True: `load_checkpoint` reads its checkpoints, `fit` goes on from `job.resume_state`
     data_parallel = False  # True: `fit` runs on the runner's workers (as a `backend.engine`)
     averaging = False  # True: can average parameters every N updates (the runner's `average_every`)
+    precisions = ("fp32",)  # the trainer.precision values this backend trains in
     chooses = False  # True: picks another backend to train with (backend=auto), which it never probes itself
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
+
+    def check_precision(self, job) -> None:
+        """Refuse a trainer.precision this backend does not train in, naming those it does."""
+        from orchestrate.schema import ConfigError
+
+        precision = job.trainer.precision.value
+        if precision not in self.precisions:
+            raise ConfigError(f"trainer.precision={precision}: backend={self.name} trains in "
+                              f"{', '.join(self.precisions)}; {precision} with backend={', '.join(backends_taking(precision))}")
 
     def check_workers(self, job) -> None:
         """Single-process backends refuse the runner's settings (called before `check`)."""
@@ -112,6 +122,22 @@ def backend_configs(*flags: str, unless: tuple[str, ...] = ()) -> dict[str, Dict
             continue
         if all(getattr(target, flag, False) for flag in flags) and not any(getattr(target, f, False) for f in unless):
             found[name] = node
+    return found
+
+
+def backends_taking(precision: str) -> list[str]:
+    """The single-process backends (conf/backend names) that train in `precision`."""
+    from orchestrate import schema
+    from orchestrate.config import group_options
+
+    found = []
+    for name in group_options("backend"):
+        try:
+            target = schema.target_of(backend_config(name), "backend")
+        except schema.ConfigError:
+            continue
+        if precision in getattr(target, "precisions", ()) and not target.distributed:
+            found.append(name)
     return found
 
 

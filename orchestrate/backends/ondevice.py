@@ -183,8 +183,6 @@ class OnDeviceBackend(Backend):
         low, high, why = opset_range(job.model)
         if not low <= self.opset <= high:
             raise ConfigError(f"backend.opset={self.opset}: allowed: {low} to {high} ({why})")
-        if job.trainer.precision == Precision.fp16:
-            raise ConfigError("trainer.precision=fp16 is not offered by backend=ondevice; allowed: fp32")
         if job.trainer.device == Device.cuda and "CUDAExecutionProvider" not in ort.providers():
             raise ConfigError("trainer.device=cuda needs the GPU build (pip install onnxruntime-training==1.19.2)")
         names = [n for n, _ in job.model.named_parameters()]

@@ -132,6 +132,7 @@ class ORTModuleBackend(TorchBackend):
     options: dict[str, str]  # ORTMODULE_* environment options, for example ORTMODULE_MEMORY_OPT_LEVEL: 1
     fp16_optimizer: bool  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
     mapped_dimensions: dict[str, int]  # symbolic dimension -> size, for ORT's sessions
+    precisions = ("fp32", "fp16")  # ORT's graph is exported in fp32; bf16 autocast is PyTorch's alone
 
     def check(self, job) -> None:
         super().check(job)

@@ -30,6 +30,7 @@ class TorchBackend(Backend):
     intra_op_threads: Annotated[int, AT_LEAST_0]  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
     resumable = True
     data_parallel = True
+    precisions = ("fp32", "fp16", "bf16")
 
     def check(self, job) -> None:
         if job.data.loss not in losses.LOSSES:
@@ -59,11 +60,15 @@ class TorchBackend(Backend):
         scheduler = make_scheduler(optimizer, t)
         loss_fn = losses.get(job.data.loss).torch
         # fp16 (CUDA only): autocast the forward; the dynamic loss scaler grows the scale while
-        # gradients stay finite and halves it, skipping the update, when they overflow.
+        # gradients stay finite and halves it, skipping the update, when they overflow. bf16 has
+        # fp32's exponent range: autocast alone, no scaler. fp32 on CUDA: TF32 matrix products
+        # unless trainer.tf32=false (put back when the run ends: orchestrate.process).
         fp16 = t.precision == Precision.fp16
         scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = t.tf32
         # (A disabled autocast still costs ~5 us a step: a small model's step is ~1 ms.)
-        autocast = torch.autocast(device_type=device.type, dtype=torch.float16) if fp16 else contextlib.nullcontext()
+        half = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}.get(t.precision)
+        autocast = torch.autocast(device_type=device.type, dtype=half) if half else contextlib.nullcontext()
         done = checkpoints.restore_torch(state, optimizer, scheduler, scaler, job) if state is not None else 0
         model.train()
 
