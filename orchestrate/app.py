@@ -22,7 +22,7 @@ from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
 from orchestrate.resume import close_orphans, config_key, find_resume
 from orchestrate.sweeps import pruning
-from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, reachable, ui_command
+from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, open_ui, reachable
 
 
 @dataclass
@@ -147,9 +147,14 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
 
 def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> None:
     m = result.metrics
-    lines = [f"backend {job.backend.name}: {cfg.trainer.max_steps} steps in {m.get('wall_time_s', 0):.1f} s"
-             if "pruned_at" not in m else f"backend {job.backend.name}: stopped by the sweep's pruner at step "
-             f"{m['pruned_at']:.0f} of {cfg.trainer.max_steps}, in {m.get('wall_time_s', 0):.1f} s"]
+    total, ran, seconds = cfg.trainer.max_steps, int(m.get("steps_run", cfg.trainer.max_steps)), m.get("wall_time_s", 0)
+    if "pruned_at" in m:
+        head = f"stopped by the sweep's pruner at step {m['pruned_at']:.0f} of {total}, in {seconds:.1f} s"
+    elif ran < total:  # a resumed run: the steps before it ran in an earlier process
+        head = f"steps {total - ran + 1} to {total} ({ran:,} in this process, resumed) in {seconds:.1f} s"
+    else:
+        head = f"{total} steps in {seconds:.1f} s"
+    lines = [f"backend {job.backend.name}: {head}"]
     t = job.trainer  # the precision it trained in; on CUDA in fp32, whether matrix products used TF32
     tf32 = f" (TF32 matrix products: trainer.tf32={str(t.tf32).lower()})" if t.device.value == "cuda" \
         and t.precision.value == "fp32" else ""
@@ -175,7 +180,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
         if any(result.out_dir.glob(WORKER_LOG.format(rank="*"))):
             lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
     if not in_sweep:  # a sweep's trial: the sweep's summary says where to look
-        lines.append(f"  open the UI with   {ui_command(cfg.tracking.uri)}")
+        lines.append(f"  {open_ui(cfg.tracking.uri)}")
     print("\n".join(lines), flush=True)
 
 

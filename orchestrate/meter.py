@@ -74,6 +74,7 @@ class Meter:
         finally:  # also when the loop stops early (stop_early): the generator is closed
             self._bar.close()
             self.final["wall_time_s"] = time.perf_counter() - self._run_start
+            self.final["steps_run"] = max(0, self.step - start + 1)  # by this process (a resumed run: fewer)
 
     def displaying(self, step: int) -> bool:
         return self.trainer.due(step, self.trainer.display_loss_steps)

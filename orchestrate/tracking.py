@@ -467,6 +467,15 @@ def absolute_uri(uri: str) -> str:
     return uri
 
 
+def open_ui(uri: str) -> str:
+    """How to see the runs: a tracking server serves the UI at its own address (`mlflow ui
+    --backend-store-uri http://...` would exit 1: an HTTP store is no store the UI can open);
+    any other store through `ui_command`."""
+    if uri.startswith(("http://", "https://")):
+        return f"open the UI at     {redact_text(uri)}"
+    return f"open the UI with   {ui_command(uri)}"
+
+
 def ui_command(uri: str) -> str:
     """The command that opens MLflow's UI on this store, runnable as printed: a bare `mlflow` only
     when that is this environment's (the virtual environment is active), else its full path."""

@@ -123,7 +123,9 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
     # resume makes its run's experiment the active one, whatever an earlier run here set).
     reference = app.train(make_cfg(*overrides, "data.marker="), tmp_path / "reference")
     resumed = app.train(make_cfg(*overrides, "trainer.resume=auto"), tmp_path / "second")
-    assert f"resuming MLflow run {resumed.run_id} after step 20" in capfd.readouterr().out
+    printed = capfd.readouterr().out
+    assert f"resuming MLflow run {resumed.run_id} after step 20" in printed
+    assert f"backend {backend}: steps 21 to 40 (20 in this process, resumed) in " in printed  # not "40 steps"
     assert served_twice(marker) == list(range(20, 26))  # steps 21-26 ran again, none before
 
     client = client_for(uri)

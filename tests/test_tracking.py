@@ -18,7 +18,7 @@ from orchestrate.outbox import UNSENT_FILE
 from orchestrate.schema import ConfigError
 from orchestrate.resume import config_key, find_resume
 from orchestrate.tasks.data import Synthetic
-from orchestrate.tracking import EXPERIMENT_KIND, RunLogger, Tracker, reachable, training_experiment, ui_command
+from orchestrate.tracking import EXPERIMENT_KIND, RunLogger, Tracker, open_ui, reachable, training_experiment, ui_command
 from tests.conftest import client_for, metric_steps
 
 
@@ -62,6 +62,13 @@ def test_the_ui_command_runs_as_printed_when_the_environment_is_not_active(monke
     assert command[1:] == ["ui", "--backend-store-uri", "sqlite:///mlflow.db", "--host", "127.0.0.1", "--port", "5000"]
     done = subprocess.run([command[0], "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "version" in done.stdout
+
+
+def test_a_tracking_server_is_opened_at_its_own_address():
+    """The UI of runs on a server is the server: no `mlflow ui` pointed at it (that exits 1)."""
+    assert open_ui("http://127.0.0.1:5055") == "open the UI at     http://127.0.0.1:5055"
+    assert open_ui("sqlite:///mlflow.db").startswith("open the UI with   ") and " ui --backend-store-uri sqlite" \
+        in open_ui("sqlite:///mlflow.db")
 
 
 def test_a_resumed_run_opens_in_its_own_experiment_whatever_is_active(make_cfg, tmp_path):

@@ -18,7 +18,7 @@ from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.callbacks import NO_URLS, Handover
-from orchestrate.tracking import absolute_uri, new_sqlite_store, set_env, training_experiment, ui_command
+from orchestrate.tracking import absolute_uri, new_sqlite_store, open_ui, set_env, training_experiment
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -191,7 +191,7 @@ class Sweep:
             first = min(r.start_ms for r in ran) / 1000 - self.began
             timing += f"; the first started {first:.1f} s after the sweep began"
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
-              f"{text}\n{timing}\nopen the UI with   {ui_command(self.settings.tracking_uri)}", flush=True)
+              f"{text}\n{timing}\n{open_ui(self.settings.tracking_uri)}", flush=True)
 
     def log_chart(self, rows: list[_summary.Row]) -> None:
         curves = {}
