@@ -120,6 +120,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
                      resume_run_id=resume.run_id if resume else None) as tracker:
             job.track(tracker)
+            tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:])  # the Dataset column
             if cfg.trainer.resume == "auto":
                 for orphan in close_orphans(cfg, tracker.run_id):
                     print(f"MLflow run {orphan} marked KILLED: its process ended without closing it", flush=True)

@@ -218,4 +218,6 @@ class Job:
         write(path)
         if self.meter.tracker is not None:
             self.meter.tracker.log_artifact(path)
+            sample = self.data.sample_input().cpu().numpy()
+            self.meter.tracker.log_model(path, sample, self.meter.step, self.cfg.tracking.register_model)
         return path

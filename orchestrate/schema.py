@@ -166,6 +166,12 @@ class TrackingConf:
     experiment: str = "${oc.env:MLFLOW_EXPERIMENT_NAME,orchestrate}"
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact
+    # Register each run's trained model (its MLflow LoggedModel) as a new version of this registered
+    # model, with the alias `latest`; null: logged, not registered.
+    register_model: Optional[str] = None
+    # MLflow's system metrics (CPU, memory, disk, network; GPU where pynvml is installed) under
+    # system/*, sampled every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (10 by default).
+    system_metrics: bool = False
     tags: dict[str, str] = field(default_factory=dict)
 
 

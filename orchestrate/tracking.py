@@ -139,13 +139,44 @@ class RunLogger:
         self.env_before = quick_http()
         unsent = Path(out_dir or tempfile.gettempdir()) / (UNSENT_FILE if out_dir else f"{run_id}-{UNSENT_FILE}")
         self.outbox = Outbox(self.client, run_id, redact_text(uri), unsent)
+        self.last_eval: dict[str, Any] = {}  # the last evaluation's points: the trained model's metrics
+        self.eval_dataset: tuple[str, str] | None = None  # (name, digest) of the eval split, once known
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # Each point carries the time it was logged, also when it is sent later.
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.outbox.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
+        points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.last_eval.update({m.key: m for m in points if m.key.startswith("eval/")})
+        self.outbox.put(points)
+
+    def log_datasets(self, data, name: str, log: bool = True) -> None:
+        """The data's splits as the run's inputs (orchestrate.run_outputs); `log=False` only
+        notes the eval split's name and digest (the runner's rank 0: the driver logged them)."""
+        from orchestrate import run_outputs
+
+        inputs = run_outputs.dataset_inputs(data, name)
+        for given in inputs:
+            if any(t.key == run_outputs.CONTEXT and t.value == "eval" for t in given.tags):
+                self.eval_dataset = (given.dataset.name, given.dataset.digest)
+        if log and inputs:
+            try:
+                self.client.log_inputs(self.run_id, datasets=inputs)
+            except Exception as e:  # noqa: BLE001 - the run trains without its inputs listed
+                log.warning(f"the data was not logged as the run's inputs ({cause(e)})")
+
+    def log_model(self, path: Path, sample, step: int, register: str | None = None) -> str | None:
+        """The trained model as an MLflow LoggedModel (orchestrate.run_outputs.log_model); a store
+        that does not take it does not fail the run: the file stays in the output folder."""
+        from orchestrate import run_outputs
+
+        self.outbox.flush()  # the last evaluation's points are in the store before the model links them
+        try:
+            return run_outputs.log_model(self, path, sample, step, register)
+        except Exception as e:  # noqa: BLE001 - the run trained; only its MLflow model is missing
+            log.warning(f"{path} was not logged as an MLflow model ({cause(e)}); it stays in the output folder")
+            return None
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -245,16 +276,17 @@ class Tracker(RunLogger):
             # process may have set another one): make the run's own experiment the active one.
             experiment_id = mlflow.tracking.MlflowClient(uri).get_run(resume_run_id).info.experiment_id
             mlflow.set_experiment(experiment_id=experiment_id)
-            run = mlflow.start_run(run_id=resume_run_id)
+            run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=cfg.tracking.system_metrics)
             for stale in ("error", "diverged_at"):
                 if stale in run.data.tags:
                     # What stopped the earlier attempt no longer describes the run: it goes on.
                     mlflow.tracking.MlflowClient(uri).delete_tag(resume_run_id, stale)
         elif given:
-            run = mlflow.start_run(run_id=given[1])
+            run = mlflow.start_run(run_id=given[1], log_system_metrics=cfg.tracking.system_metrics)
         else:
             mlflow.set_experiment(cfg.tracking.experiment)
-            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags)
+            run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags,
+                                   log_system_metrics=cfg.tracking.system_metrics)
         super().__init__(uri, run.info.run_id, out_dir)
         if resume_run_id:
             self._send_unsent(Path(run.data.tags.get("out_dir", out_dir)) / UNSENT_FILE)

@@ -1,0 +1,135 @@
+"""What a run logs beside its metrics (orchestrate.run_outputs), read back through MLflow's public
+client from a real `mlflow server`: the trained model as a LoggedModel that loads with
+`mlflow.pyfunc` (and `mlflow models serve` answers with) and predicts the eval split with the
+accuracy the run logged, registered with the alias `latest`; the data as the run's inputs, whose
+digest tells two data sets apart; MLflow's system metrics when asked for."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import mlflow
+import numpy as np
+import pytest
+
+from orchestrate import app
+from orchestrate.job import build_data
+from tests.conftest import client_for
+from tests.helpers import free_port
+
+
+def accuracy_of(model, data) -> float:
+    out = model.predict(data.x_eval.numpy())
+    logits = out["logits"] if isinstance(out, dict) else np.asarray(out)
+    return float((logits.argmax(-1) == data.y_eval.numpy()).mean())
+
+
+@pytest.fixture(scope="module")
+def registered(mlflow_server, tmp_path_factory):
+    """Two runs of torch on the digits (the default data), both registered as digits-mlp, and one
+    on the synthetic data; (client, first run, second run, synthetic run)."""
+    from orchestrate.config import load_config
+
+    common = ["backend=torch", "trainer=quick", "trainer.max_steps=60", f"tracking.uri={mlflow_server}",
+              "tracking.experiment=outputs", "model.hidden=[32]"]
+    runs = [app.train(load_config([*common, "tracking.register_model=digits-mlp", f"optimizer.lr={lr}"]),
+                      tmp_path_factory.mktemp("run")) for lr in (0.003, 0.01)]
+    other = app.train(load_config([*common, "data=synthetic"]), tmp_path_factory.mktemp("synthetic"))
+    return client_for(mlflow_server), *runs, other
+
+
+def test_the_model_is_a_logged_model_that_predicts_the_eval_split_with_the_logged_accuracy(registered, mlflow_server):
+    client, first, _, _ = registered
+    run = client.get_run(first.run_id)
+    (output,) = run.outputs.model_outputs
+    assert output.step == 60
+    model = client.get_logged_model(output.model_id)
+    assert str(model.status).endswith("READY") and model.source_run_id == first.run_id
+    found = client.search_logged_models([run.info.experiment_id])
+    assert output.model_id in {m.model_id for m in found}
+    linked = {m.key: m for m in model.metrics}
+    assert linked["eval/accuracy"].value == run.data.metrics["final/eval_accuracy"]
+    assert linked["eval/accuracy"].dataset_name == "Digits"
+    # The same point in the run's history once: linking it to the model added none.
+    assert [m.step for m in client.get_metric_history(first.run_id, "eval/accuracy")].count(60) == 1
+    mlflow.set_tracking_uri(mlflow_server)
+    try:
+        loaded = mlflow.pyfunc.load_model(f"models:/{output.model_id}")
+    finally:
+        mlflow.set_tracking_uri(None)
+    data = build_data(client_config().data)
+    assert accuracy_of(loaded, data) == pytest.approx(run.data.metrics["final/eval_accuracy"], abs=1 / len(data.y_eval))
+
+
+def client_config():
+    from orchestrate.config import load_config
+
+    return load_config([])
+
+
+def test_each_final_model_is_a_new_version_with_the_alias_latest(registered):
+    client, first, second, _ = registered
+    versions = sorted(client.search_model_versions("name = 'digits-mlp'"), key=lambda v: int(v.version))
+    assert [v.run_id for v in versions] == [first.run_id, second.run_id]
+    assert client.get_model_version_by_alias("digits-mlp", "latest").version == versions[-1].version
+
+
+def test_the_data_is_on_the_run_and_its_digest_tells_data_sets_apart(registered):
+    client, first, second, other = registered
+    def inputs(result):
+        return {[t.value for t in d.tags if t.key == "mlflow.data.context"][0]: (d.dataset.name, d.dataset.digest)
+                for d in client.get_run(result.run_id).inputs.dataset_inputs}
+
+    digits, again, synthetic = inputs(first), inputs(second), inputs(other)
+    assert set(digits) == {"train", "eval"} and digits == again  # the same data: the same digests
+    assert synthetic["train"][0] == "Synthetic" and synthetic["train"][1] != digits["train"][1]
+    assert json.loads(client.get_run(first.run_id).inputs.dataset_inputs[0].dataset.profile)["features_shape"]
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_with_the_same_predictions(registered, mlflow_server):
+    client, _, second, _ = registered
+    version = client.get_model_version_by_alias("digits-mlp", "latest").version
+    port = free_port()
+    # As from an activated environment: the scoring server is started as `uvicorn` from the PATH.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server,
+           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    serve = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/digits-mlp/{version}",
+                              "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2).close()
+                break
+            except OSError:
+                assert serve.poll() is None and time.monotonic() < deadline, "mlflow models serve did not start"
+                time.sleep(1)
+        data = build_data(client_config().data)
+        x = data.x_eval.numpy()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
+                                         json.dumps({"inputs": x.tolist()}).encode(),
+                                         {"Content-Type": "application/json"})
+        served = json.loads(urllib.request.urlopen(request, timeout=60).read())["predictions"]
+        logits = np.asarray(served["logits"] if isinstance(served, dict) else served)
+        accuracy = float((logits.argmax(-1) == data.y_eval.numpy()).mean())
+        assert accuracy == pytest.approx(client.get_run(second.run_id).data.metrics["final/eval_accuracy"],
+                                         abs=1 / len(data.y_eval))
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+
+
+def test_system_metrics_when_asked_for_and_only_then(registered, make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    result = app.train(make_cfg("backend=torch", "tracking.system_metrics=true", "trainer.max_steps=600",
+                                "trainer.evaluation_period=0", "trainer.checkpoint_period=0"), tmp_path)
+    keys = client_for(make_cfg().tracking.uri).get_run(result.run_id).data.metrics
+    assert any(k.startswith("system/cpu_utilization") for k in keys), sorted(keys)
+    client, first, _, _ = registered  # off by default
+    assert not any(k.startswith("system/") for k in client.get_run(first.run_id).data.metrics)
