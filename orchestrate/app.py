@@ -191,13 +191,14 @@ def job_log(hydra_cfg) -> str | None:
     return handler.get("filename")
 
 
-def diverged_message(e: Diverged, folder: Path) -> str:
+def diverged_message(e: Diverged, folder: Path, resumable: bool = True) -> str:
     """One line: the step, the run FAILED, the checkpoint kept from before it, what to do next."""
     kept = checkpoints.latest(folder)
     return (f"{e}; the MLflow run is marked FAILED. "
             + (f"The last checkpoint before it, {kept}, is kept: the same command with a lower optimizer.lr and "
-               "trainer.resume=auto goes on from it" if kept else "No checkpoint was written before it: lower "
-               "optimizer.lr and run again")
+               "trainer.resume=auto goes on from it" if kept and resumable else
+               f"The last checkpoint before it, {kept}, is kept; lower optimizer.lr and run again" if kept else
+               "No checkpoint was written before it: lower optimizer.lr and run again")
             + " (or drop the updates of non-finite steps with trainer.on_nonfinite=skip)")
 
 
@@ -225,7 +226,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except Diverged as e:
         if hydra_cfg.mode != RunMode.RUN:
             raise
-        print(f"error: {diverged_message(e, Path(hydra_cfg.runtime.output_dir) / 'checkpoints')}", file=sys.stderr)
+        resumable = getattr(schema.target_of(cfg.backend, "backend"), "resumable", False)
+        print(f"error: {diverged_message(e, Path(hydra_cfg.runtime.output_dir) / 'checkpoints', resumable)}",
+              file=sys.stderr)
         sys.exit(1)
     except process.Stopped as e:
         if hydra_cfg.mode != RunMode.RUN:

@@ -319,6 +319,12 @@ def main() -> None:
         ran = multirun or getattr(e, "orchestrate_run", None)
         errors.report(errors.one_line(e, "the sweep" if multirun else ""), e)
         sys.exit(1 if ran else 2)
+    except KeyboardInterrupt:  # Ctrl-C in a sweep (a single run reports its own stop: app.hydra_main)
+        if not multirun:
+            raise
+        print("stopped by Ctrl-C: trials still running are ended and marked KILLED; the same command continues "
+              "the sweep", file=sys.stderr, flush=True)
+        sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
         app.keep(None)  # the checked job, if Hydra stopped before its run took it
         if multirun:

@@ -295,8 +295,9 @@ def check_ray(address: str | None, key: str, timeout_s: float) -> tuple[bool, st
 # ---- smoke runs --------------------------------------------------------------------------------
 
 def needs_extensions(cfg) -> bool:
-    """Whether the backend runs ORTModule (itself, or as the runner's `backend.engine`)."""
-    return "ortmodule" in (cfg.backend.get("name"), cfg.backend.get("engine"))
+    """Whether the backend runs ORTModule (itself, or as the runner's `backend.engine`), or may
+    (backend=auto probes it)."""
+    return not {"ortmodule", "auto"}.isdisjoint({cfg.backend.get("name"), cfg.backend.get("engine")})
 
 
 def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -> tuple[bool, str]:

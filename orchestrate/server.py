@@ -62,6 +62,15 @@ def check_port(host: str, port: int, option: str) -> None:
                               f"may be running there: stop it or choose another {option}") from None
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it ends (Linux's
+    PR_SET_PDEATHSIG; the sweep starts its server from its main thread: when the process ends)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class MlflowServer:
     """`mlflow server` in front of `store_uri`, artifacts served from `artifacts` (a folder or a
     bucket URI), started and ready (/health answers) when the constructor returns; with
@@ -69,8 +78,10 @@ class MlflowServer:
     its trials). `log`: where its output goes (None: this console)."""
 
     def __init__(self, store_uri: str, artifacts: str | Path, host: str = "127.0.0.1", port: int | None = None,
-                 log: IO | None = None, timeout_s: float = HEALTH_TIMEOUT_S, wait: bool = True):
+                 log: IO | None = None, timeout_s: float = HEALTH_TIMEOUT_S, wait: bool = True,
+                 detached: bool = False):
         self.port = port or free_port(host)
+        self.artifacts = artifacts
         self.uri = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         # A log-batch request can hold one pooled connection while it waits for a second. With
         # MLflow's default pool (5 + 10 overflow) and 8 trials each sending from several logging
@@ -84,7 +95,11 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", store_uri, "--serve-artifacts", "--artifacts-destination", str(artifacts)],
-            env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+            env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+            # detached (a sweep's own server): out of the terminal's process group, so that Ctrl-C
+            # stops the sweep, which then writes its summary through the server and stops it; and
+            # sent SIGTERM by Linux should the process that started it die without stopping it.
+            start_new_session=detached, preexec_fn=_die_with_parent if detached else None)
         self.healthy = False
         if wait:
             try:
@@ -110,6 +125,16 @@ class MlflowServer:
                     raise ServerError(f"mlflow server on {self.uri} did not answer /health "
                                       f"within {timeout_s:g} s") from None
                 time.sleep(0.1)
+
+    def answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server is up and answers /health now."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            urllib.request.urlopen(f"{self.uri}/health", timeout=timeout_s).close()
+            return True
+        except OSError:
+            return False
 
     def stop(self) -> None:
         self.proc.terminate()  # `mlflow server` hands SIGTERM on to its uvicorn and waits for it

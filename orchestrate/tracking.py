@@ -151,8 +151,8 @@ class RunLogger:
         self.last_eval.update({m.key: m for m in points if m.key.startswith("eval/")})
         self.outbox.put(points)
 
-    def log_datasets(self, data, name: str, log: bool = True) -> None:
-        """The data's splits as the run's inputs (orchestrate.run_outputs); `log=False` only
+    def log_datasets(self, data, name: str, record: bool = True) -> None:
+        """The data's splits as the run's inputs (orchestrate.run_outputs); `record=False` only
         notes the eval split's name and digest (the runner's rank 0: the driver logged them)."""
         from orchestrate import run_outputs
 
@@ -160,7 +160,7 @@ class RunLogger:
         for given in inputs:
             if any(t.key == run_outputs.CONTEXT and t.value == "eval" for t in given.tags):
                 self.eval_dataset = (given.dataset.name, given.dataset.digest)
-        if log and inputs:
+        if record and inputs:
             try:
                 self.client.log_inputs(self.run_id, datasets=inputs)
             except Exception as e:  # noqa: BLE001 - the run trains without its inputs listed

@@ -1,6 +1,7 @@
 """Test helpers: models and data that fail or kill their process on purpose, a model with dropout
-(importable as `tests.helpers` by Ray workers when PYTHONPATH holds the repository), and a real
-multi-node Ray cluster on 127.0.0.1."""
+(importable as `tests.helpers` by Ray workers when PYTHONPATH holds the repository), backends that
+are slow or wrong on purpose (backend=auto must not choose them), and a real multi-node Ray cluster
+on 127.0.0.1."""
 
 import contextlib
 import json
@@ -15,8 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
 
+from orchestrate.backends.torch import TorchBackend
 from orchestrate.tasks.data import Synthetic
 from orchestrate.tasks.models import MLP
 
@@ -219,3 +223,47 @@ def fit_untracked(overrides: list[str], out_dir: Path):
     with process.kept(), job.backend.connect(job):  # the runner's Ray, started and shut down here
         job.backend.fit(job)
     return job
+
+
+# ---- backends backend=auto must not choose (each gets a conf/backend file in the test's own folder) ---
+@dataclass
+class SlowTorchBackend(TorchBackend):
+    """The PyTorch loop, `delay_ms` slower every step: the same losses as torch, lower samples/s."""
+
+    delay_ms: float = 5.0
+
+    def seed_step(self, step: int, job) -> None:
+        time.sleep(self.delay_ms / 1000)
+
+
+@dataclass
+class OffTorchBackend(TorchBackend):
+    """The PyTorch loop on the model's logits with `shift` added to the first class's: it trains,
+    but another model than torch's (its losses disagree)."""
+
+    shift: float = 3.0
+
+    def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
+        return Shifted(model, self.shift)
+
+
+class Shifted(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, shift: float):
+        super().__init__()
+        self.model, self.shift = model, shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        return torch.cat([logits[..., :1] + self.shift, logits[..., 1:]], dim=-1)
+
+
+class DtypeMLP(MLP):
+    """The MLP, noting the dtype of its first layer's output and the TF32 flag on each training
+    forward (the test reads them back: what autocast and trainer.tf32 did inside the loop)."""
+
+    seen: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():  # a training step (not the check, an evaluation, the export)
+            DtypeMLP.seen.append((self.net[0](x).dtype, torch.backends.cuda.matmul.allow_tf32))
+        return super().forward(x)

@@ -137,6 +137,28 @@ def optuna_draws_from_the_search_space(folder: Path, printed: str) -> None:
     assert "best: trial" in printed
 
 
+def pruned_sweep_keeps_its_study_beside_the_store(folder: Path, printed: str) -> None:
+    """The same search with a pruner: the study beside the MLflow store, each trial told to it
+    (complete or pruned, none left running)."""
+    import optuna
+
+    optuna_draws_from_the_search_space(folder, printed)
+    (summary,) = optuna.get_all_study_summaries(f"sqlite:///{folder}/mlflow-optuna.db")
+    study = optuna.load_study(study_name=summary.study_name, storage=f"sqlite:///{folder}/mlflow-optuna.db")
+    assert sorted({t.state.name for t in study.trials}) <= ["COMPLETE", "PRUNED"] and len(study.trials) == 4
+
+
+def auto_kept_its_probe_table(folder: Path, printed: str) -> None:
+    """backend=auto: every single-process backend probed, the table printed and kept with the run,
+    whose `backend` tag is the one the table chose."""
+    client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    table = open(client.download_artifacts(run.info.run_id, "auto_probe.md")).read()
+    chosen = [line.split("|")[1].strip() for line in table.splitlines() if "| chosen: " in line]
+    assert chosen == [run.data.tags["backend"]]
+    assert all(f"| {b} |" in printed for b in ("torch", "ortmodule", "ondevice"))
+
+
 def nothing_ran(folder: Path, printed: str) -> None:
     """`+dry_run`: the plan only: no MLflow store, no sweep summary."""
     assert not (folder / "mlflow.db").exists() and "sweep summary" not in printed
@@ -160,6 +182,10 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate model=hf_classifier data=python_files backend=ortmodule": Expect(
         extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,
         tags={"backend": "ortmodule", "model": "orchestrate.tasks.hf.Classifier"}),
+    "python -m orchestrate backend=auto": Expect(runs=1, tags={"auto": "true"}, check=auto_kept_its_probe_table,
+                                                  says=("backend=auto: 5 warm-up + 30 timed steps per candidate",)),
+    "python -m orchestrate backend=runner backend.engine=auto trainer.num_workers=2": Expect(
+        runs=1, tags={"backend": "runner", "auto": "true"}, metrics={"world_size": 2}, says=("backend.engine=auto: ",)),
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
     # ---- checking the stack
@@ -198,6 +224,9 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate +experiment=lr_search +sweep": Expect(
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
         tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space),
+    "python -m orchestrate +experiment=lr_search +sweep hydra/sweeper/pruner=successive_halving": Expect(
+        extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
+        tags={"backend": "ondevice"}, check=pruned_sweep_keeps_its_study_beside_the_store),
     "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ondevice": Expect(runs=5, says=("sweep summary",)),
     "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
         says=("plan: 3 trial(s)", "backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0,

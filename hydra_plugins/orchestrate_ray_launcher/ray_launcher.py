@@ -54,6 +54,7 @@ class OrchestrateRayLauncher(Launcher):
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
         self.ready = False  # Ray started or joined and a job's placement checked (orchestrate.launch._core.ready)
+        self.in_flight: set = set()  # the Ray tasks of jobs submitted and not returned, across `launch` calls
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -62,6 +63,12 @@ class OrchestrateRayLauncher(Launcher):
         from orchestrate.launch import _core
 
         return _core.launch(self, job_overrides, initial_job_idx)
+
+    def cancel(self) -> None:
+        """End every job still running or queued (a sweeper stopping early: Ctrl-C)."""
+        from orchestrate.launch import _core
+
+        _core.cancel_in_flight(self)
 
     def slots(self) -> int:
         """How many jobs run at once: as many as the cluster fits, by the resources each asks

@@ -14,8 +14,11 @@ The story (`AutoBackend.fit`):
    steps aside: no MLflow, no evaluation, checkpoint or export, in a temporary folder.
 3. Its steady samples/s and step time are the meter's over the steps after the warm-up (the first
    display window, which holds ORTModule's export and graph build), its loss the mean of the last
-   window. Each loss is compared with the reference backend's (torch); beyond `tolerance` the
-   backend disagrees and is not chosen.
+   window. A probe whose timed steps have already taken longer than the fastest finished probe's
+   all did stops there: it can no longer be the fastest (on a CPU that another process keeps busy,
+   PyTorch's thread pool can run 20 times slower than idle; its probe then costs seconds, not
+   minutes). Each loss is compared with the reference backend's (torch) at the same step; beyond
+   `tolerance` the backend disagrees and is not chosen.
 4. The run trains with the fastest that agrees, on the job the app built (its model holds the
    initial weights, the RNG is as it was before probing), in the app's one MLflow run: tagged
    `backend=<chosen>` and `auto=true`, with the probe table as `auto_probe.md` (and on the console).
@@ -31,7 +34,7 @@ import math
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -55,15 +58,24 @@ TABLE_FILE = "auto_probe.md"
 @dataclass
 class AutoBackend(Backend):
     name: str
-    warmup_steps: Annotated[int, AT_LEAST_1]  # steps each probe runs before it is timed (graph builds, first allocations)
+    warmup_steps: Annotated[int, AT_LEAST_1]  # steps a probe runs before it is timed (graph builds, first allocations)
     probe_steps: Annotated[int, AT_LEAST_1]  # steps timed after the warm-up
-    tolerance: Annotated[float, ABOVE_0]  # the largest relative difference from the reference's probe loss that agrees
+    tolerance: Annotated[float, ABOVE_0]  # the largest relative difference from the reference's loss that agrees
     reference: str  # the backend whose probe loss the others are compared with (the eager baseline)
     candidates: Optional[list[str]]  # None: every single-process backend found; a list: only these
     chooses = True
     # resumable stays False: the checkpoints are the chosen backend's, and a resumed run would have
     # to choose that one again without probing. Job.prepare refuses trainer.resume, naming those
     # that can.
+
+    def __post_init__(self) -> None:
+        # `found`'s answers, by flags: `check` and `fit` both ask (composing a backend file costs
+        # about 0.07 s), and the candidates a run was checked with are those it probes.
+        self._found: dict[tuple[str, ...], dict[str, DictConfig]] = {}
+
+    def check_precision(self, job) -> None:
+        """Nothing here: each candidate checks trainer.precision as its probe is built
+        (`check_candidates`), so auto trains in any precision that one of them takes."""
 
     def check(self, job) -> None:
         self.check_candidates(job, self.found(), "backend=auto")
@@ -79,13 +91,19 @@ class AutoBackend(Backend):
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         raise NotImplementedError("backend=auto writes the chosen backend's checkpoints: read them with the backend "
-                                  "that the MLflow run's `backend` tag names")
+                                  "it chose (the MLflow run's `backend` tag; the runner's `engine` tag)")
 
     # ---- what the runner's `backend.engine=auto` uses too -------------------------------------
     def found(self, *flags: str) -> dict[str, DictConfig]:
         """The candidates, by name, with their backend configs: every backend file whose class
         sets `flags` and trains in one process, or those `candidates` names (ConfigError for a
         name that is not one of them)."""
+        if flags not in self._found:
+            self._found[flags] = self.find(flags)
+        return self._found[flags]
+
+    def find(self, flags: tuple[str, ...]) -> dict[str, DictConfig]:
+        """`found`'s answer, composed."""
         found = backend_configs(*flags, unless=NOT_PROBED)
         if self.candidates is None:
             return found
@@ -112,8 +130,11 @@ class AutoBackend(Backend):
         true); returns the chosen name. The RNG is put back as it was: the run trains as if no
         probe had run."""
         began = time.perf_counter()
+        probes: list[Probe] = []
         with rng_kept():
-            probes = [probe(name, self.probe_config(job.cfg, node)) for name, node in found.items()]
+            for name, node in found.items():
+                fastest = min((p for p in probes if p.finished), key=lambda p: p.timed_s, default=None)
+                probes.append(probe(name, self.probe_config(job.cfg, node), fastest))
         choice = judge(probes, self.reference, self.tolerance, what)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
@@ -136,16 +157,44 @@ class AutoBackend(Backend):
 # ---- one probe ------------------------------------------------------------------------------------
 @dataclass
 class Probe:
-    """One candidate's probe: how fast it trained, where its loss ended, and the verdict."""
+    """One candidate's probe: how fast it trained, its losses, and the verdict."""
 
     name: str
     verdict: str = ""
-    samples_per_sec: float = math.nan
+    samples_per_sec: float = math.nan  # over its timed steps (all of them, or up to where it stopped)
     step_time_ms: float = math.nan
-    loss: float = math.nan  # the mean train loss of the probe's last display window
-    difference: float = math.nan  # (loss - the reference's) / the reference's
+    timed_s: float = math.nan  # the seconds its timed steps took
+    losses: dict[int, float] = field(default_factory=dict)  # each display window's mean train loss, by its last step
     finished: bool = False  # ran every step and ended with a finite loss
-    agrees: bool = False  # finished, and its loss is within the tolerance of the reference's
+    stopped_at: int | None = None  # the step it stopped at, slower than the fastest finished probe
+    loss: float = math.nan  # the loss compared with the reference's (`judge`)
+    difference: float = math.nan  # (loss - the reference's) / the reference's, at the same step
+    agrees: bool = False  # its loss is within the tolerance of the reference's
+
+
+class Slower(Exception):
+    """A probe's timed steps so far took longer than the fastest finished probe's all did."""
+
+    def __init__(self, step: int):
+        super().__init__(f"slower at step {step}")
+        self.step = step
+
+
+class Stopwatch:
+    """A probe's timed seconds, window by window from the meter's own step times (its display
+    hook), stopping the probe (`Slower`, before its last step) once they pass `budget_s`."""
+
+    def __init__(self, trainer, budget_s: float):
+        self.warmup, self.max_steps, self.budget_s = trainer.display_loss_steps, trainer.max_steps, budget_s
+        self.seconds, self.last = 0.0, trainer.display_loss_steps
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        if step <= self.warmup:  # the warm-up window: not timed
+            return
+        self.seconds += metrics["perf/step_time_ms"] * (step - self.last) / 1000
+        self.last = step
+        if self.seconds > self.budget_s and step < self.max_steps:
+            raise Slower(step)
 
 
 class Aside(Parallel):
@@ -180,8 +229,9 @@ def refusal(cfg: DictConfig) -> str | None:
     return None
 
 
-def probe(name: str, cfg: DictConfig) -> Probe:
-    """Train the probe config `cfg` aside and measure it. The process is left as found
+def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
+    """Train the probe config `cfg` aside and measure it; stopped early once it is slower than
+    `fastest` (the fastest probe that finished before it). The process is left as found
     (orchestrate.process.kept: thread counts, environment, ORT's logging); nothing stays on disk."""
     result = Probe(name)
     with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept(), \
@@ -191,8 +241,13 @@ def probe(name: str, cfg: DictConfig) -> Probe:
         except ConfigError as e:
             result.verdict = f"refused: {e}"
             return result
+        watch = Stopwatch(job.trainer, fastest.timed_s if fastest else math.inf)
+        job.meter.on_display = watch
         try:
             job.backend.fit(job)
+        except Slower as e:
+            result.stopped_at = e.step
+            result.verdict = f"slower than {fastest.name}: stopped at step {e.step}"
         except Diverged as e:
             result.verdict = f"diverged: {e}"
             return result
@@ -203,10 +258,12 @@ def probe(name: str, cfg: DictConfig) -> Probe:
     summary = job.meter.summary()
     result.samples_per_sec = summary.get("samples_per_sec", math.nan)
     result.step_time_ms = summary.get("step_time_ms", math.nan)
-    result.loss = summary.get("train_loss", math.nan)
-    result.finished = math.isfinite(result.loss)
-    if not result.finished:  # trainer.on_nonfinite=skip dropped the updates of its last steps
-        result.verdict = f"ended with a loss of {result.loss}"
+    result.timed_s = watch.seconds
+    result.losses = dict(job.meter.history.get("train/loss", []))
+    last = result.losses.get(job.trainer.max_steps, math.nan)
+    result.finished = math.isfinite(last)
+    if result.stopped_at is None and not result.finished:  # trainer.on_nonfinite=skip dropped its last updates
+        result.verdict = f"ended with a loss of {last}"
     return result
 
 
@@ -241,37 +298,48 @@ class Choice:
 
 
 def judge(probes: list[Probe], reference: str, tolerance: float, what: str) -> Choice:
-    """Compare each finished probe's loss with the reference's (or, when the reference is not a
-    candidate or did not finish, the first that finished) and choose the fastest that agrees. When
-    no probe finished (every one diverged, failed or was refused), the reference trains the run all
-    the same (or the first that took the config), as it would have without auto: the run then
-    shows why."""
+    """Compare the losses with the reference's at the same step (the probes' last, or the one the
+    reference stopped at as the slower; when the reference is not a candidate or has no finite
+    loss, the first that finished is the reference) and choose the fastest that agrees. A probe
+    stopped as slower is not compared: it can no longer be the fastest (unless the one that was
+    faster disagrees; then the reference itself may be the choice). When no probe finished (every
+    one diverged, failed, ended on a nan loss or was refused), the reference trains the run all the
+    same (or the first that took the config), as it would have without auto: the run then shows why
+    (a loss that becomes nan at step 7 does so on every backend, and the run stops there with its
+    checkpoints)."""
     finished = [p for p in probes if p.finished]
     named = next((p for p in probes if p.name == reference), None)
-    base = named if named in finished else (finished[0] if finished else None)
+    stopped = named is not None and named.stopped_at is not None and math.isfinite(named.losses[named.stopped_at])
+    base = named if named in finished or stopped else (finished[0] if finished else None)
     if base is None:
         taken = [p for p in probes if not p.verdict.startswith("refused")]
         if not taken:
             raise none_takes(what, {p.name: p.verdict.removeprefix("refused: ") for p in probes})
         chosen = named if named in taken else taken[0]
-        chosen.verdict += "; chosen all the same: no probe finished, and the run shows why"
-        return Choice(chosen, None, "no probe finished, no losses compared")
-    for p in finished:
+        chosen.verdict += "; chosen all the same: no probe ended with a finite loss, and the run shows why"
+        return Choice(chosen, None, "no probe ended with a finite loss, no losses compared")
+    step = max(base.losses)  # the end of every probe, or where the reference stopped
+    compared = finished + ([base] if base not in finished else [])
+    for p in compared:
+        p.loss = p.losses[step]
+    for p in compared:
         p.difference = (p.loss - base.loss) / max(abs(base.loss), 1e-12)
         p.agrees = abs(p.difference) <= tolerance
         if not p.agrees:
             p.verdict = (f"disagrees: loss {p.loss:.4f} against {base.name}'s {base.loss:.4f} ({abs(p.difference):.1%} "
                          f"apart)")
-    chosen = max((p for p in finished if p.agrees), key=lambda p: p.samples_per_sec)
-    for p in finished:
+    chosen = max((p for p in compared if p.agrees), key=lambda p: p.samples_per_sec)
+    for p in compared:
         if p is chosen:
             p.verdict = "chosen: the fastest that agrees"
-        elif p.agrees:
+            if p.stopped_at:  # the reference, slower than one that disagrees
+                p.verdict += f" (stopped at step {p.stopped_at})"
+        elif p.agrees and not p.stopped_at:
             p.verdict = f"agrees; {p.samples_per_sec / chosen.samples_per_sec:.2f}x the chosen one's samples/s"
-    compared = f"losses compared with {base.name}'s"
-    if base is not named:
-        compared += f" ({reference} {'did not finish its probe' if named else 'is not a candidate'})"
-    return Choice(chosen, base, compared)
+    words = f"losses at step {step} compared with {base.name}'s"
+    if base is not named:  # e.g. "(torch is not a candidate)", "(torch refused)", "(torch diverged)"
+        words += f" ({reference} {named.verdict.split(':')[0] if named else 'is not a candidate'})"
+    return Choice(chosen, base, words)
 
 
 def none_takes(what: str, reasons: dict[str, str]) -> ConfigError:
@@ -287,6 +355,7 @@ def table(probes: list[Probe], base: Probe | None) -> str:
     rows = [f"| backend | samples/s | step ms | probe loss | vs {base.name if base else 'reference'} | verdict |",
             "|---|---:|---:|---:|---:|---|"]
     for p in probes:
+        difference = round(p.difference, 4) + 0.0  # a difference of -1e-7 shows as +0.00%, not -0.00%
         rows.append(f"| {p.name} | {number(p.samples_per_sec, ',.0f')} | {number(p.step_time_ms, '.3f')} | "
-                    f"{number(p.loss, '.4f')} | {number(p.difference, '+.2%')} | {p.verdict.replace('|', '/')} |")
+                    f"{number(p.loss, '.4f')} | {number(difference, '+.2%')} | {p.verdict.replace('|', '/')} |")
     return "\n".join(rows) + "\n"

@@ -291,6 +291,15 @@ class OnDeviceBackend(Backend):
         onnx.save(model, str(path))
 
     def fit(self, job) -> None:
+        """Rank 0's training artifacts stay with the run; the runner's other workers build theirs
+        in a folder of their own, removed when the loop ends."""
+        if job.parallel.logging:
+            self.train(job, job.out_dir / "artifacts")
+            return
+        with tempfile.TemporaryDirectory(prefix=f"ort_artifacts_rank{job.parallel.rank}_") as folder:
+            self.train(job, Path(folder))
+
+    def train(self, job, folder: Path) -> None:
         """The loop. On the runner's workers (`job.parallel`) gradients are all-reduced before each
         optimizer step, or the parameters averaged every `average_every` updates after it
         (`GradientSync`); rank 0 alone evaluates and saves. A resumed run (`job.resume_state`)
@@ -300,9 +309,6 @@ class OnDeviceBackend(Backend):
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
         meter, parallel, t, resume = job.meter, job.parallel, job.trainer, job.resume_state
-        # Rank 0's artifacts stay with the run; the runner's other workers build theirs aside.
-        folder = (job.out_dir / "artifacts" if parallel.logging
-                  else Path(tempfile.mkdtemp(prefix=f"ort_artifacts_rank{parallel.rank}_")))
         # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
         # settings: its lines go through logging (the log file; the console from backend.log_level).
         with ort.stderr_logged():

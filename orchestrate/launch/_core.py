@@ -227,6 +227,7 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
                 continue
             ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, config, state, barrier.marker(job.idx))
             pending[ref] = job
+            launcher.in_flight.add(ref)
 
     def stop() -> None:
         """fail_fast: the jobs not done are cancelled (running ones ended), the rest never start."""
@@ -245,6 +246,7 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
     while pending:
         (ref,), _ = ray.wait(list(pending), num_returns=1)
         job = pending.pop(ref)
+        launcher.in_flight.discard(ref)
         ret, wrote_marker = collect(ref, job)
         returns[job.idx] = ret
         if wrote_marker:
@@ -260,6 +262,13 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
         submit_more(ahead)
     barrier.wait(marked)
     return [returns[job.idx] for job in jobs]
+
+
+def cancel_in_flight(launcher) -> None:
+    """Cancel every job this launcher submitted that has not returned (all its `launch` calls)."""
+    refs, launcher.in_flight = list(launcher.in_flight), set()
+    if refs:
+        cancel(refs)
 
 
 def slots(conf) -> int:

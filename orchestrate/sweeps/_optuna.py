@@ -277,23 +277,43 @@ def sweep(sweeper, arguments: list[str]) -> None:
 
     began = time.perf_counter()
     launched = 0
-    while launched < to_run or running:
-        while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
-               and not study._stop_flag):
-            start()
-            launched += 1
-        if not running:
-            break
-        number, overrides, ret = ended.get()
-        outcome = tell(study, running.pop(number), overrides, ret)
-        outcomes.append(outcome)
-        if outcome.state == "FAIL":
-            failures.append(outcome)
-        log.info(f"\t#{number} : {' '.join(overrides)} {describe(outcome)} "
-                 f"({time.perf_counter() - began:.1f} s into the sweep)")
+    try:
+        while launched < to_run or running:
+            while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
+                   and not study._stop_flag):
+                start()
+                launched += 1
+            if not running:
+                break
+            number, overrides, ret = next_ended(ended)
+            outcome = tell(study, running.pop(number), overrides, ret)
+            outcomes.append(outcome)
+            if outcome.state == "FAIL":
+                failures.append(outcome)
+            log.info(f"\t#{number} : {' '.join(overrides)} {describe(outcome)} "
+                     f"({time.perf_counter() - began:.1f} s into the sweep)")
+    except BaseException:
+        # Ctrl-C (or an error here): the trials still running end with the sweep, where the
+        # launcher can end them (orchestrate_ray cancels their tasks). The study keeps them
+        # RUNNING: the same sweep run again fails them and runs their parameters again.
+        cancel = getattr(sweeper.launcher, "cancel", None)
+        if running and callable(cancel):
+            cancel()
+        raise
     write_results(config, study, storage, name)
     if len(failures) > allowed_failures:
         raise failures[0].error
+
+
+def next_ended(ended: queue.Queue):
+    """The next ended trial. Waits in short slices: a Ctrl-C that the kernel delivers to another
+    thread (Ray's, a trial's) only sets Python's flag, and a wait with no timeout would never
+    wake up to raise it."""
+    while True:
+        try:
+            return ended.get(timeout=0.2)
+        except queue.Empty:
+            continue
 
 
 def launch_one(launcher, overrides: list[str], number: int) -> JobReturn:

@@ -173,6 +173,12 @@ class Sweep:
     def close(self) -> None:
         """Summary table and loss-curve chart on the parent, the parent closed, the server stopped,
         and the summary printed: the last thing a sweep prints."""
+        if self.server is not None and not self.server.answers():
+            # Ctrl-C reaches every process of the terminal's group, the sweep's own server too: a
+            # new one in front of the same store and artifacts takes the summary.
+            self.server.stop()
+            self.server = _server.TrackingServer(absolute_uri(self.settings.tracking_uri), self.server.artifacts)
+            self.uri, self.client = self.server.uri, MlflowClient(tracking_uri=self.server.uri)
         try:
             rows = self.rows()
             text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance, self.settings.lower)

@@ -38,7 +38,7 @@ class TrackingServer(MlflowServer):
     def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
         self.failed = False
-        super().__init__(sqlite_uri, artifact_root, log=self.log, wait=False)
+        super().__init__(sqlite_uri, artifact_root, log=self.log, wait=False, detached=True)
         if wait:
             self.wait_healthy()
 
@@ -53,9 +53,9 @@ class TrackingServer(MlflowServer):
     def stop(self) -> None:
         super().stop()
         self.log.close()
-        # -SIGTERM is the stop above (also of a server a refused sweep started early); anything else,
+        # -SIGTERM is the stop above (also of a server a refused sweep started early), -SIGINT a Ctrl-C; anything else,
         # or a server that never answered, is the server's own failure: keep its log.
-        if not self.failed and self.proc.returncode in (0, -signal.SIGTERM):
+        if not self.failed and self.proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT):  # SIGINT: Ctrl-C
             Path(self.log.name).unlink(missing_ok=True)
         elif self.healthy:
             print(f"the sweep's MLflow server exited with code {self.proc.returncode}; its log: {self.log.name}")

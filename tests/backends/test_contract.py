@@ -24,11 +24,18 @@ def backend_target(backend: str) -> type:
 
 
 def starts_ort_or_ray(backend: str) -> bool:
-    """ORTModule (graph build, C++ extensions) and Ray (a cluster, worker processes) are slow to start."""
+    """ORTModule (graph build, C++ extensions) and Ray (a cluster, worker processes) are slow to
+    start; backend=auto (`chooses`) starts ORTModule too, to probe it."""
     from orchestrate.backends.ortmodule import ORTModuleBackend
 
     target = backend_target(backend)
-    return issubclass(target, ORTModuleBackend) or target.distributed
+    return issubclass(target, ORTModuleBackend) or target.distributed or target.chooses
+
+
+def checkpoint_reader(client, run_id: str):
+    """The backend that reads the run's checkpoints: the one its `backend` tag names (backend=auto
+    writes those of the backend it chose, and tags the run with that one)."""
+    return schema.build(load_config([f"backend={client.get_run(run_id).data.tags['backend']}"]).backend, "backend")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -64,7 +71,11 @@ def test_metrics_params_and_tags_in_mlflow(trained):
     assert run.data.params["trainer.max_steps"] == "40"
     assert run.data.params["backend._target_"] == cfg.backend._target_
     tags = run.data.tags
-    assert tags["backend"] == backend
+    if backend_target(backend).chooses:  # backend=auto: tagged with the backend it chose, and `auto`
+        chosen = backend_target(tags["backend"])
+        assert tags["auto"] == "true" and not (chosen.chooses or chosen.distributed)
+    else:
+        assert tags["backend"] == backend
     assert tags["device"].startswith("cpu")
     assert {"git_commit", "version.torch", "version.onnx", "version.onnxruntime-training-cpu"} <= set(tags)
 
@@ -88,7 +99,7 @@ def eval_accuracy(model: torch.nn.Module, cfg) -> float:
 def test_checkpoint_reloads_to_the_logged_accuracy(trained):
     """The last checkpoint, loaded into a fresh model, reproduces the final eval accuracy."""
     _, cfg, result, client = trained
-    backend = schema.build(cfg.backend, "backend")
+    backend = checkpoint_reader(client, result.run_id)
     latest = sorted((result.out_dir / "checkpoints").glob("step_*"))
     assert [p.name.split(".")[0] for p in latest] == ["step_0000020", "step_0000040"]
     params = backend.read_checkpoint(latest[-1])
@@ -155,7 +166,7 @@ def test_a_run_that_skips_non_finite_steps_drops_their_updates_and_counts_them(b
     assert client.get_run(result.run_id).info.status == "FINISHED"
     assert metric_steps(client, result.run_id, "train/skipped_steps") == [(s, s - 6.0) for s in range(7, 11)]
     # Steps 7-10 changed nothing: the last checkpoint holds the weights of the one at step 6.
-    engine = schema.build(load_config([f"backend={backend}"]).backend, "backend")
+    engine = checkpoint_reader(client, result.run_id)
     folder = result.out_dir / "checkpoints"
     at_6, at_10 = (engine.read_checkpoint(next(folder.glob(f"step_{s:07d}.*"))) for s in (6, 10))
     assert at_6.keys() == at_10.keys()

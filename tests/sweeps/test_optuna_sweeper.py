@@ -159,3 +159,50 @@ def test_the_runners_workers_stop_together_where_the_pruner_says(tmp_path):
     assert {lr: r.data.tags.get("pruned") for lr, r in runs.items()} == {"0.03": None, "0.01": "10", "1e-05": "10"}
     assert all(r.info.status == "FINISHED" and r.data.tags["backend"] == "runner" for r in children)
     assert [m.step for m in client.get_metric_history(runs["0.01"].info.run_id, "eval/loss")] == [10]
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_sweep_with_its_summary_and_the_same_command_goes_on(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group: the sweep (its server and Ray trials
+    included) ends within seconds, exit 130, and the summary says which trials were stopped
+    (KILLED in MLflow). The same command afterwards fails the interrupted trials in the study and
+    runs their parameters again, and the study ends with every trial complete."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+    from tests.test_signals import HeldData
+
+    marker = tmp_path / "hold"
+    marker.touch()  # every trial holds at its step 5 while it exists
+    args = ["+sweep=lr_optuna", "backend=torch", *QUICK, "trainer.evaluation_period=0", "hydra.sweeper.n_trials=3",
+            "hydra.launcher.num_cpus=2", f"data._target_={HeldData.__module__}.HeldData", "+data.hold_at=4",
+            f"+data.marker={marker}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # A terminal's Ctrl-C: SIGINT (not ignored, as it is for a shell's background job) to the group.
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrate", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("hold.held"))) < 1 or len(list(tmp_path.glob("multirun/*/*/1/app.log"))) < 1:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    time.sleep(2)  # both slots' trials are running (or held)
+    os.killpg(proc.pid, signal.SIGINT)
+    stopped = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and time.monotonic() - stopped < 60, out[-3000:]
+    assert "stopped by Ctrl-C" in out and out.rstrip().splitlines()[-1].startswith("open the UI"), out[-3000:]
+    _, _, children = sweep_runs(tmp_path)
+    assert sorted(c.info.status for c in children) == ["KILLED", "KILLED"]
+    assert sorted(t.state.name for t in study_of(tmp_path).trials) == ["RUNNING", "RUNNING"]
+    marker.unlink()
+    again = sweep(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    states = [t.state.name for t in study_of(tmp_path).trials]
+    assert states.count("FAIL") == 2 and states.count("COMPLETE") == 3  # both interrupted trials ran again
+    interrupted = {t.params["optimizer.lr"] for t in study_of(tmp_path).trials if t.state.name == "FAIL"}
+    assert interrupted <= {t.params["optimizer.lr"] for t in study_of(tmp_path).trials if t.state.name == "COMPLETE"}

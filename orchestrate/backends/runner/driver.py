@@ -4,6 +4,7 @@ workers, gradients all-reduced by torch.distributed (gloo on CPU, NCCL on GPU).
     python -m orchestrate backend=runner trainer.num_workers=2
     python -m orchestrate backend=runner backend.engine=torch trainer.gradient_accumulation_steps=4
     python -m orchestrate backend=runner backend.engine=ondevice backend.average_every=10
+    python -m orchestrate backend=runner backend.engine=auto trainer.num_workers=2   # the fastest engine
     python -m orchestrate backend=runner backend.ray_address=auto trainer.num_workers=8   # a cluster
 
 This file is the driver: it checks the settings, holds a Ray cluster with room for the workers,
@@ -19,6 +20,9 @@ context (`sync.Workers`):
   ondevice   ORT's on-device training API on each worker; its gradient buffers are all-reduced
              before each optimizer step, or (`backend.average_every=N`) the parameters are
              averaged every N updates: federated averaging.
+  auto       not an engine but a choice among them (orchestrate/backends/auto.py): the driver probes
+             each engine in its own process, sized as one worker runs it, before the workers start,
+             and the run goes on with the fastest whose loss agrees (the run's `engine` tag).
 
 Faults and resume: rank 0's checkpoints are also reported to Ray Train, so that when a worker
 dies Ray restarts all workers (`backend.max_failures` times) and they go on from the latest one;
@@ -33,6 +37,7 @@ so such a restart hands every rank rank 0's and does not repeat the uninterrupte
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -62,7 +67,8 @@ def engine_config(name: str) -> DictConfig:
         try:
             node = backend_config(name)
         except MissingConfigException:
-            raise ConfigError(f"backend.engine={name}: no such backend; allowed: {', '.join(engines())}") from None
+            raise ConfigError(f"backend.engine={name}: no such backend; allowed: "
+                              f"{', '.join(engines() + backends('chooses'))}") from None
         _ENGINES[name] = OmegaConf.to_container(node, resolve=True)
     return OmegaConf.create(_ENGINES[name])
 
@@ -86,7 +92,7 @@ def engines(*flags: str) -> list[str]:
 @dataclass
 class RunnerBackend(Backend):
     name: str
-    engine: str  # the backend each worker runs: a conf/backend name (ortmodule, torch, ondevice)
+    engine: str  # the backend each worker runs: a conf/backend name (ortmodule, torch, ondevice), or auto
     cpus_per_worker: Annotated[float, ABOVE_0]  # Ray resources per worker; also sizes its torch and ORT thread pools
     use_gpu: bool  # one GPU per worker, NCCL
     ray_address: Optional[str]  # an existing Ray cluster ("auto", "ray://..."); None: a local one
@@ -101,27 +107,48 @@ class RunnerBackend(Backend):
     distributed = True  # accepts trainer.num_workers and trainer.gradient_accumulation_steps above 1
     resumable = True
 
-    def engine_node(self) -> DictConfig:
-        """The engine's backend config, sized for one worker: its thread pools get the worker's
+    def sized(self, node: DictConfig) -> DictConfig:
+        """An engine's backend config, sized for one worker: its thread pools get the worker's
         CPUs, and ORT engines the runner's mapped dimensions and log level."""
-        node = engine_config(self.engine)
         sized = {"intra_op_threads": max(1, int(self.cpus_per_worker)), "mapped_dimensions": self.mapped_dimensions,
                  "log_level": self.log_level}
         return OmegaConf.merge(node, {k: v for k, v in sized.items() if k in node})
 
+    def engine_node(self) -> DictConfig:
+        """The engine's backend config, sized for one worker."""
+        return self.sized(engine_config(self.engine))
+
     def engine_backend(self) -> Backend:
         """The engine, built from its config as each worker builds it."""
         return schema.build(self.engine_node(), "backend.engine")
+
+    def engine_candidates(self, auto) -> dict[str, DictConfig]:
+        """backend.engine=auto: the engines it may choose (those that run on the workers; with
+        backend.average_every, those that average parameters), each sized as a worker runs it."""
+        flags = ("data_parallel", "averaging") if self.average_every else ("data_parallel",)
+        return {name: self.sized(node) for name, node in auto.found(*flags).items()}
+
+    def check_precision(self, job) -> None:
+        """The workers train in their engine's precisions (auto: each candidate checks its own)."""
+        if self.engine != "auto" and self.engine != self.name:
+            self.engine_backend().check_precision(job)
 
     def check(self, job) -> None:
         t = job.trainer
         if self.engine == self.name:
             raise ConfigError(f"backend.engine={self.engine}: the runner cannot run itself on its workers")
         engine = self.engine_backend()
-        if not engine.data_parallel:
+        if engine.chooses:  # backend.engine=auto: the engine is chosen by probing the candidates, in `fit`
+            if t.resume:
+                raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue a run (its "
+                                  "probes may choose another engine than the run's); name the engine the run used (its "
+                                  f"`engine` tag), one of: {', '.join(engines('resumable'))}")
+            engine.check_candidates(job, self.engine_candidates(engine), f"backend.engine={self.engine}")
+        elif not engine.data_parallel:
             raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
-                              f"workers; allowed: {', '.join(engines())}")
-        engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
+                              f"workers; allowed: {', '.join(engines() + backends('chooses'))}")
+        else:
+            engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         if self.placement_strategy not in STRATEGIES:
@@ -129,7 +156,7 @@ class RunnerBackend(Backend):
         if t.resume and not engine.resumable:
             raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue from a "
                               f"checkpoint; allowed engines: {', '.join(engines('resumable'))}")
-        if self.average_every and not engine.averaging:
+        if self.average_every and not (engine.averaging or engine.chooses):
             raise ConfigError(f"backend.average_every needs an engine that averages parameters (backend.engine="
                               f"ondevice); backend.engine={self.engine} all-reduces gradients every update")
         if self.use_gpu != (t.device == Device.cuda):
@@ -189,6 +216,15 @@ class RunnerBackend(Backend):
                 ray.shutdown()
 
     def fit(self, job) -> None:
+        engine = self.engine_backend()
+        if engine.chooses:
+            # backend.engine=auto: each engine is probed here, in one process, before any worker
+            # starts; the run then goes on as if the chosen engine had been named.
+            chosen = engine.choose(job, self.engine_candidates(engine), f"backend.engine={self.engine}", tag="engine")
+            job.backend = dataclasses.replace(self, engine=chosen)
+            job.backend.fit(job)
+            return
+
         import ray
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
@@ -197,10 +233,11 @@ class RunnerBackend(Backend):
 
         tracker = job.meter.tracker
         run_id = tracker.run_id if tracker else None
+        cfg = OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True)
+        cfg["backend"]["engine"] = self.engine  # the engine the workers run (backend.engine=auto: the chosen one)
         # The checkpoint to resume from travels through Ray's object store: a worker on another
         # node cannot read the driver's disk.
-        config = {"cfg": OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True),
-                  "engine": OmegaConf.to_container(self.engine_node()),
+        config = {"cfg": cfg, "engine": OmegaConf.to_container(self.engine_node()),
                   "out_dir": str(job.out_dir.resolve()), "run_id": run_id,
                   "resume": ray.put(job.resume_state) if job.resume_state is not None else None,
                   "uri": absolute_uri(tracker.uri) if tracker else None,

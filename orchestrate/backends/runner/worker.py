@@ -61,7 +61,7 @@ def worker_loop(config: dict) -> None:
     if rank == 0 and config["run_id"]:
         job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])))
         # The driver logged the data as the run's inputs; the model's metrics name the eval split.
-        job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], log=False)
+        job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], record=False)
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
         job.meter.continue_history(job.meter.tracker.logged_history())
     tag_workers(job, rank, world)
