@@ -11,8 +11,10 @@ same way, every trial of it, before any runs, whatever the launcher; and its MLf
 import contextlib
 import io
 import os
+import re
 import sys
 import traceback
+from pathlib import Path
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 import yaml
@@ -77,7 +79,26 @@ def explain(e: Exception, overrides: list[str], source: ConfigSource = ORCHESTRA
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-    return str(e).splitlines()[0]
+    return str(e).splitlines()[0] + late_header(str(e), source)
+
+
+def late_header(message: str, source: ConfigSource) -> str:
+    """For an error in a config file ("In 'experiment/wine': ...") whose `# @package` line is not
+    its first: Hydra reads that header only at the top of the file (a comment above it, such as
+    the file's path, makes it an ordinary comment, and the file then lands in its group's package)."""
+    named = re.match(r"In '([\w/.-]+)'", message)
+    if not named:
+        return ""
+    for folder in filter(None, (source.config_dir, source.config_path, str(Path(__file__).parent / "conf"))):
+        path = Path(folder) / f"{named.group(1)}.yaml"
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            at = next((i for i, line in enumerate(lines) if line.lstrip("# ").startswith("@package")), None)
+            if at:  # found, and not on the first line
+                return (f"; {errors.shown_path(str(path))}:{at + 1}: `{lines[at].strip()}` must be the file's first "
+                        "line (Hydra reads the header only there)")
+            return ""
+    return ""
 
 
 def allowed_keys(parent: str, source: ConfigSource = ORCHESTRATE) -> str:

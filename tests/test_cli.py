@@ -208,3 +208,20 @@ def test_a_run_takes_over_the_job_its_command_checked(tmp_path, monkeypatch, cap
     printed = capsys.readouterr().out
     reference = app.train(load_config([*same, f"tracking.uri=sqlite:///{tmp_path}/ref.db"]), tmp_path / "ref")
     assert f"final train loss   {reference.metrics['train_loss']:,.4f}" in printed
+
+
+def test_a_header_below_a_comment_is_named_with_its_line(tmp_path, monkeypatch, capsys):
+    """A user's experiment whose `# @package _global_` comes after another comment: Hydra reads it
+    as an ordinary comment; the error names the file, the line and why."""
+    from orchestrate.__main__ import main
+
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# conf/experiment/mine.yaml\n# @package _global_\ndefaults:\n  - override /model: cnn\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "--config-dir", "conf", "+experiment=mine"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "mine.yaml:2: `# @package _global_` must be the file's first line (Hydra reads the header only there)" in err

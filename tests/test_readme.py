@@ -71,12 +71,14 @@ def bad_input_examples() -> list[tuple[str, str]]:
 
 
 def project_files() -> dict[str, str]:
-    """The "Your own project" files: fenced blocks whose first line names `my_project/...`."""
+    """The "Your own project" files: fenced blocks one of whose first two lines names
+    `my_project/...`, each written exactly as a user copies the block (comments included: a
+    comment above `# @package _global_` would break the file as it breaks a user's)."""
     files = {}
     for body in blocks("python") + blocks("yaml"):
-        name = re.match(r"# (my_project/\S+)\n", body)
+        name = re.search(r"^# (my_project/\S+)", "\n".join(body.splitlines()[:2]), re.MULTILINE)
         if name:
-            files[name.group(1)] = body[name.end():]
+            files[name.group(1)] = body
     return files
 
 
