@@ -267,3 +267,16 @@ class DtypeMLP(MLP):
         if self.training and torch.is_grad_enabled():  # a training step (not the check, an evaluation, the export)
             DtypeMLP.seen.append((self.net[0](x).dtype, torch.backends.cuda.matmul.allow_tf32))
         return super().forward(x)
+
+
+def exit_code(monkeypatch, *argv: str) -> int:
+    """`python -m orchestrate ARGV` run in this process: its exit code (what it printed is the
+    test's capsys)."""
+    import pytest
+
+    from orchestrate.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    return exit_.value.code

@@ -11,6 +11,7 @@ import pytest
 from orchestrate import app
 from orchestrate.config import ConfigSource, load_config
 from orchestrate.cli import main
+from tests.helpers import exit_code
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -110,10 +111,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("overrides,message", BAD_INPUT, ids=[" ".join(o) for o, _ in BAD_INPUT])
 def test_bad_input_is_one_plain_message_exit_2_nothing_written(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", *overrides])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
+    assert exit_code(monkeypatch, *overrides) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err, err
     assert len(err.splitlines()) == 1
@@ -140,10 +138,7 @@ def user_conf(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", [["--config-dir", "conf"], ["--config-dir=conf"], ["hydra.searchpath=[file://conf]"]])
 def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, user_conf, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["orchestrate", *where, "model=wider"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
+    assert exit_code(monkeypatch, *where, "model=wider") == 2
     assert capsys.readouterr().err.strip() == "error: model=wider: no such choice; allowed: char_transformer, cnn, hf_causal_lm, hf_classifier, mlp, wide"
     assert sorted(p.name for p in user_conf.iterdir()) == ["conf"]
 
@@ -168,21 +163,15 @@ def test_a_users_own_primary_config_builds_on_orchestrates(user_conf):
 
 def test_a_missing_config_folder_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", "--config-dir", "my_conf"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
+    assert exit_code(monkeypatch, "--config-dir", "my_conf") == 2
     assert capsys.readouterr().err.strip() == f"error: --config-dir my_conf: no such folder ({tmp_path}/my_conf)"
 
 
 def test_a_diverging_run_is_one_line_exit_1_naming_the_step_and_the_checkpoint_kept(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", "backend=torch", "data=synthetic", "trainer=quick",
-                                      "data._target_=tests.helpers.NanFrom", "+data.start=6", "trainer.max_steps=10",
-                                      "trainer.checkpoint_period=3", "trainer.progress=false", "hydra.run.dir=out"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 1
+    assert exit_code(monkeypatch, "backend=torch", "data=synthetic", "trainer=quick",
+                     "data._target_=tests.helpers.NanFrom", "+data.start=6", "trainer.max_steps=10",
+                     "trainer.checkpoint_period=3", "trainer.progress=false", "hydra.run.dir=out") == 1
     stderr = capsys.readouterr().err
     err = [line for line in stderr.splitlines() if line.startswith("error")]  # MLflow's own INFO lines aside
     assert "Traceback" not in stderr
@@ -213,15 +202,10 @@ def test_a_run_takes_over_the_job_its_command_checked(tmp_path, monkeypatch, cap
 def test_a_header_below_a_comment_is_named_with_its_line(tmp_path, monkeypatch, capsys):
     """A user's experiment whose `# @package _global_` comes after another comment: Hydra reads it
     as an ordinary comment; the error names the file, the line and why."""
-    from orchestrate.__main__ import main
-
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
         "# conf/experiment/mine.yaml\n# @package _global_\ndefaults:\n  - override /model: cnn\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", "--config-dir", "conf", "+experiment=mine"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
+    assert exit_code(monkeypatch, "--config-dir", "conf", "+experiment=mine") == 2
     err = capsys.readouterr().err
     assert "mine.yaml:2: `# @package _global_` must be the file's first line (Hydra reads the header only there)" in err

@@ -15,6 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from orchestrate.sweeps import plan
 from tests.conftest import ROOT, multirun_config
+from tests.helpers import exit_code
 
 
 def test_a_grid_expands_as_hydras_basic_sweeper_expands_it():
@@ -88,13 +89,8 @@ def test_a_bad_trial_stops_the_sweep_before_anything_runs(args, message, tmp_pat
 def test_a_dry_run_of_a_sampling_sweep_prints_its_space_and_runs_nothing(tmp_path, monkeypatch, capsys):
     """Optuna picks each trial from the results before it: a dry run has no next trial to show,
     so it shows the space it would sample from (checked at every choice and interval end)."""
-    from orchestrate.__main__ import main
-
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", "+experiment=lr_search", "+sweep", "+dry_run"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 0
+    assert exit_code(monkeypatch, "+experiment=lr_search", "+sweep", "+dry_run") == 0
     out = capsys.readouterr().out
     assert "dry run: OrchestrateOptunaSweeper would run 8 trial(s), each drawn from: optimizer.lr=tag(log, interval(" in out
     assert list(tmp_path.iterdir()) == []
