@@ -24,7 +24,7 @@ import torch
 from orchestrate import checkpoints, losses, ort, process
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import declare_shape, export_for_training
-from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, Precision, shown, target_of
+from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, shown, target_of
 
 # ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
 # learning rate goes to ORT's Optimizer). The config's arguments are checked by that torch class

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from orchestrate import app, checkpoints, ray_cluster, schema
+from orchestrate import app, checkpoints, schema
 from orchestrate.config import load_config
 from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, metric_steps

@@ -11,7 +11,6 @@ import re
 import optuna
 import pytest
 from hydra.core.config_store import ConfigStore
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import OmegaConf
