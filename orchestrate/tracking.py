@@ -121,9 +121,14 @@ def set_mlflow_uri(uri: str | None) -> None:
         utils.set_tracking_uri(uri)
 
 
+# MLflow prints "View run <name> at: <server URL>" on the console whenever a run on an HTTP store
+# ends; the run's summary names it already (and a sweep's own server is gone after the sweep).
+NO_RUN_LINKS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
 def quick_http() -> dict[str, str | None]:
-    """QUICK_HTTP where the user set nothing; returns what to give `set_env` back."""
-    return set_env({k: v for k, v in QUICK_HTTP.items() if k not in os.environ})
+    """QUICK_HTTP and NO_RUN_LINKS where the user set nothing; returns what to give `set_env` back."""
+    return set_env({k: v for k, v in {**QUICK_HTTP, **NO_RUN_LINKS}.items() if k not in os.environ})
 
 
 class RunLogger:
@@ -284,7 +289,10 @@ class Tracker(RunLogger):
         elif given:
             run = mlflow.start_run(run_id=given[1], log_system_metrics=cfg.tracking.system_metrics)
         else:
-            mlflow.set_experiment(cfg.tracking.experiment)
+            # Made here (not by set_experiment, which says "Creating a new experiment" on the
+            # console), tagged as model training.
+            experiment_id = training_experiment(mlflow.tracking.MlflowClient(uri), cfg.tracking.experiment)
+            mlflow.set_experiment(experiment_id=experiment_id)
             run = mlflow.start_run(run_name=cfg.tracking.run_name or run_name, tags=tags,
                                    log_system_metrics=cfg.tracking.system_metrics)
         super().__init__(uri, run.info.run_id, out_dir)

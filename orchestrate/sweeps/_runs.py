@@ -17,8 +17,8 @@ from orchestrate import plots
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
-from orchestrate.sweeps.callbacks import NO_URLS, Handover
-from orchestrate.tracking import absolute_uri, new_sqlite_store, open_ui, set_env, training_experiment
+from orchestrate.sweeps.callbacks import Handover
+from orchestrate.tracking import NO_RUN_LINKS, absolute_uri, new_sqlite_store, open_ui, set_env, training_experiment
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -41,6 +41,15 @@ def fixed_overrides(command: list[str]) -> list[str]:
     parsed = OverridesParser.create().parse_overrides(command)
     return [*command, *(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in parsed
                         if not o.is_sweep_override())]
+
+
+def parent_name(name: str, config: DictConfig) -> str:
+    """`sweep-<the sweep file>`, or with none named (a plain `-m`), what the sweep varies:
+    `sweep-optimizer.lr,backend`."""
+    if name != "none":
+        return f"sweep-{name}"
+    varied = [o.split("=", 1)[0].lstrip("+~") for o in plan.search_space(config)]
+    return f"sweep-{','.join(varied)}" if varied else "sweep-none"
 
 
 def open_trial(handover: Handover, config: DictConfig) -> str:
@@ -114,7 +123,7 @@ class Sweep:
             self.run_id = earlier[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(self.experiment_id, run_name=f"sweep-{s.name}",
+            self.run_id = self.client.create_run(self.experiment_id, run_name=parent_name(s.name, config),
                                                  tags={SWEEP_KEY: key, "orchestrate.role": "sweep"}).info.run_id
             definition = {"name": s.name, "command": [redact_override(o) for o in self.command], "sweeper": sweeper,
                           "params": {**(sweeper.get("params") or {}), "metric": s.metric}}
@@ -131,7 +140,7 @@ class Sweep:
 
     def handover(self) -> Handover:
         return Handover(uri=self.uri, experiment_id=self.experiment_id, parent_run_id=self.run_id,
-                        command=self.fixed, finished=dict(self.finished), own_server=self.server is not None)
+                        command=self.fixed, finished=dict(self.finished))
 
     def children(self) -> list:
         return self.client.search_runs([self.experiment_id], f"tags.`{PARENT_KEY}` = '{self.run_id}'",
@@ -212,8 +221,8 @@ class Sweep:
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        """No "View run at <the sweep's own server>" from MLflow (see callbacks.NO_URLS)."""
-        before = set_env(NO_URLS if self.server is not None else {})
+        """No "View run at <server>" from MLflow (tracking.NO_RUN_LINKS): the summary names the store."""
+        before = set_env(NO_RUN_LINKS)
         try:
             yield
         finally:

@@ -28,12 +28,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.tracking import ONE_LOGGING_THREAD, set_env
+from orchestrate.tracking import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
 
 _OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
-# MLflow prints "View run ... at: <server URL>" whenever a run on an HTTP store ends: with the
-# sweep's own server that address is dead once the sweep is over. The summary names the real store.
-NO_URLS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 @dataclass
@@ -45,7 +42,6 @@ class Handover:
     parent_run_id: str
     command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
     finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
-    own_server: bool = False  # `uri` is the sweep's own server, gone when the sweep ends
 
 
 @dataclass
@@ -100,7 +96,7 @@ class SweepTracking(Callback):
         # tracking.uri (by default read from MLFLOW_TRACKING_URI) stays the store the sweep was given.
         before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri,
                           "ORCHESTRATE_TRACKING_URI": self.tracking_uri, **ONE_LOGGING_THREAD,
-                          **(NO_URLS if self.handover.own_server else {})})
+                          **NO_RUN_LINKS})
         self._job = _Job(run_id, before)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

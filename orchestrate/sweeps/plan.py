@@ -62,12 +62,15 @@ def search_space(cfg: DictConfig) -> list[str]:
     overrides of the same key replace them (a fixed value takes the key out of the space)."""
     node = OmegaConf.select(cfg, "hydra.sweeper.params")
     params = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     space = {k: f"{k}={v}" for k, v in params.items()}
-    for override in cfg.hydra.overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
+    task = list(cfg.hydra.overrides.task)
+    for line, override in zip(task, OverridesParser.create().parse_overrides(task)):
+        key = override.get_key_element().lstrip("+~")
         space.pop(key, None)
-        if any(c in override for c in ",("):
-            space[key] = override
+        if override.is_sweep_override():
+            space[key] = line
     return list(space.values())
 
 

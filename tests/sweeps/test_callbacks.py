@@ -29,13 +29,23 @@ def test_conf_turns_the_callback_on_with_the_main_configs_settings():
     assert isinstance(cb, SweepTracking)
     assert (cb.tracking_uri, cb.experiment, cb.metric, cb.name) == ("sqlite:///mlflow.db", "x", "eval_loss", "lr_grid")
     assert cb.resume and cb.tracking_server and cb.tie_tolerance == 1e-3
+    assert cb.lower  # sweep.direction: minimize
+
+
+@pytest.mark.parametrize("overrides, lower", [
+    (["sweep=lr_grid", "sweep.metric=eval_accuracy", "sweep.direction=maximize"], False),  # a grid: sweep.direction
+    (["sweep=lr_optuna", "hydra.sweeper.direction=maximize"], False),  # the sweeper's own direction wins
+    (["sweep=lr_optuna"], True),
+])
+def test_the_summary_ranks_by_the_sweeps_direction(overrides, lower):
+    assert instantiate(multirun_config(overrides).hydra.callbacks.sweep_tracking).lower is lower
 
 
 def test_the_callback_reaches_a_remote_job_with_what_on_multirun_start_set():
     """Launchers pickle the HydraContext (which holds the callbacks) to run a job elsewhere."""
     cb = SweepTracking("sqlite:///mlflow.db", "orchestrate")
     cb.handover = Handover(uri="http://127.0.0.1:5001", experiment_id="1", parent_run_id="p", command=["a=1"],
-                           finished={"b=2": "r"}, own_server=True)
+                           finished={"b=2": "r"})
     cb._sweep = threading.Lock()  # the launching process's server and clients: not picklable, not needed
     hooks = Callbacks()
     hooks.callbacks.append(cb)

@@ -74,7 +74,8 @@ def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_s
     cwd, done = small_sweep(launcher)
     assert done.returncode == 0, done.stderr[-3000:]
     got = structure(cwd)
-    assert got["parent"] == ("sweep-none", "FINISHED", ["summary.md", "sweep.json", "trials_loss_curves.png"])
+    # No sweep file named: the parent is named after what the sweep varies (SMALL: optimizer.lr).
+    assert got["parent"] == ("sweep-optimizer.lr", "FINISHED", ["summary.md", "sweep.json", "trials_loss_curves.png"])
     assert got["children"] == {"optimizer.lr=0.001": ("FINISHED", True, "0"),
                                "optimizer.lr=0.01": ("FINISHED", True, "1")}
     assert got["params"]["optimizer.lr=0.01"]["optimizer.lr"] == "0.01"
