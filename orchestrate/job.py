@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, schema
+from orchestrate import checkpoints, ort, schema
 from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
@@ -139,6 +139,7 @@ class Job:
         already built and run on their data, by config, reused instead of built again (the job is
         not run: a grid over the learning rate builds its model once)."""
         schema.check(cfg)
+        ort.load()  # before anything imports it: what its import prints goes to the log
         backend = schema.build(cfg.backend, "backend")
         data = build_data(cfg.data)
         key = model_key(cfg) if models is not None else None

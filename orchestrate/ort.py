@@ -153,7 +153,19 @@ def set_default_severity(severity: int) -> None:
 
 # ORT's C++ log line: "2026-11-26 10:19:00.399 [I:onnxruntime:Default, graph_transformer.cc:15 Apply] ..."
 _C_LINE = re.compile(r"\[([VIWEF]):onnxruntime:")
+# Lines that say how the machine is, not that anything is wrong: logged at INFO (the log file).
+_NOTICES = ("No CUDA runtime is found",)  # torch's C++ extension helpers, on a machine with a CUDA toolkit and no GPU
 _C_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def load():
+    """onnxruntime, imported once with what its import prints sent to the log: onnxruntime-training
+    imports torch's C++ extension helpers, which print "No CUDA runtime is found" to stderr on a
+    machine with a CUDA toolkit and no GPU (every run's console, every sweep trial's, otherwise)."""
+    if "onnxruntime" not in sys.modules:
+        with stderr_logged():
+            import onnxruntime  # noqa: F401
+    return sys.modules["onnxruntime"]
 
 
 @contextlib.contextmanager
@@ -183,5 +195,6 @@ def stderr_logged(name: str = "onnxruntime") -> Iterator[None]:
             for line in captured.read().decode(errors="replace").splitlines():
                 if line.strip():
                     found = _C_LINE.search(line)
-                    level = _C_LEVELS[found.group(1)] if found else logging.WARNING
+                    level = (_C_LEVELS[found.group(1)] if found else
+                             logging.INFO if line.startswith(_NOTICES) else logging.WARNING)
                     logger.handle(logger.makeRecord(name, level, __file__, 0, line, None, None))
