@@ -164,7 +164,7 @@ def load():
     machine with a CUDA toolkit and no GPU (every run's console, every sweep trial's, otherwise)."""
     if "onnxruntime" not in sys.modules:
         with stderr_logged():
-            import onnxruntime  # noqa: F401
+            importlib.import_module("onnxruntime")
     return sys.modules["onnxruntime"]
 
 
