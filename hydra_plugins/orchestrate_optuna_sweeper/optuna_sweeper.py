@@ -79,7 +79,8 @@ class SuccessiveHalvingPrunerConf:
     min_resource: Any = "auto"
     reduction_factor: int = 4  # keep the top 1/reduction_factor at each rung
     min_early_stopping_rate: int = 0  # skip this many rungs at the start
-    bootstrap_count: int = 0  # trials that must reach a rung before it can prune
+    # Optuna prunes a trial that is among the first bootstrap_count to reach a rung (0: none is).
+    bootstrap_count: int = 0
 
 
 @dataclass
@@ -90,7 +91,8 @@ class HyperbandPrunerConf:
     min_resource: Any = "auto"  # steps before the first rung of the most aggressive bracket; auto: one evaluation period
     max_resource: Any = "auto"  # a trial's full length; auto: trainer.max_steps
     reduction_factor: int = 3  # keep the top 1/reduction_factor at each rung; also sets the number of brackets
-    bootstrap_count: int = 0  # trials that must reach a rung before it can prune
+    # Optuna prunes a trial that is among the first bootstrap_count to reach a rung (0: none is).
+    bootstrap_count: int = 0
 
 
 @dataclass
