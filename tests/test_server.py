@@ -213,6 +213,30 @@ def test_a_second_server_in_front_of_an_existing_postgresql(team, folder):
 
 
 @pytest.mark.slow
+def test_a_pruning_sweeps_study_lives_in_the_servers_postgresql(team, folder):
+    """The study storage the server prints (its own PostgreSQL, a database beside MLflow's): a
+    pruned sweep keeps its study there, and its runs on the server."""
+    import optuna
+
+    from tests.sweeps.test_optuna_sweeper import PRUNED_SWEEP
+
+    printed = re.search(r"hydra\.sweeper\.storage=(\S+) \(PASSWORD in (\S+)\)", team.output.read_text())
+    storage = printed.group(1).replace("PASSWORD", Path(printed.group(2)).read_text().strip())
+    cwd = folder / "pruned"
+    cwd.mkdir()
+    done = subprocess.run(orchestrate(*PRUNED_SWEEP, "hydra/launcher=basic", "hydra.sweeper.n_trials=3", "tracking=server",
+                                      f"tracking.uri={team.uri}", f"hydra.sweeper.storage='{storage}'"),
+                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED"]
+    pruned = client_for(team.uri).search_runs(
+        [client_for(team.uri).get_experiment_by_name("orchestrate").experiment_id], "tags.pruned = '10'")
+    assert len(pruned) == 2
+
+
+@pytest.mark.slow
 def test_sigterm_stops_mlflow_and_postgresql(team):
     postgres_port = int(team.postgres_uri.rsplit(":", 1)[1].split("/")[0])
     assert stop(team) == 0
@@ -257,27 +281,3 @@ def test_a_store_that_is_not_postgresql_is_refused(capsys):
     assert server.main(["--port", str(free_port()), "--backend-store-uri", "sqlite:///mlflow.db"]) == 2
     assert capsys.readouterr().err == ("error: --backend-store-uri=sqlite:///mlflow.db: not a PostgreSQL URI; "
                                        "allowed: postgresql://USER:PASSWORD@HOST:PORT/DATABASE\n")
-
-
-@pytest.mark.slow
-def test_a_pruning_sweeps_study_lives_in_the_servers_postgresql(team, folder):
-    """The study storage the server prints (its own PostgreSQL, a database beside MLflow's): a
-    pruned sweep keeps its study there, and its runs on the server."""
-    import optuna
-
-    from tests.sweeps.test_optuna_sweeper import PRUNED_SWEEP
-
-    printed = re.search(r"hydra\.sweeper\.storage=(\S+) \(PASSWORD in (\S+)\)", team.output.read_text())
-    storage = printed.group(1).replace("PASSWORD", Path(printed.group(2)).read_text().strip())
-    cwd = folder / "pruned"
-    cwd.mkdir()
-    done = subprocess.run(orchestrate(*PRUNED_SWEEP, "hydra/launcher=basic", "hydra.sweeper.n_trials=3", "tracking=server",
-                                      f"tracking.uri={team.uri}", f"hydra.sweeper.storage='{storage}'"),
-                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (summary,) = optuna.get_all_study_summaries(storage)
-    study = optuna.load_study(study_name=summary.study_name, storage=storage)
-    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED"]
-    pruned = client_for(team.uri).search_runs(
-        [client_for(team.uri).get_experiment_by_name("orchestrate").experiment_id], "tags.pruned = '10'")
-    assert len(pruned) == 2
