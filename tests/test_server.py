@@ -228,8 +228,9 @@ def test_a_pruning_sweeps_study_lives_in_the_servers_postgresql(team, folder):
                                       f"tracking.uri={team.uri}", f"hydra.sweeper.storage='{storage}'"),
                           cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    (summary,) = optuna.get_all_study_summaries(storage)
-    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    reach = server.with_driver(storage)  # psycopg2's driver, as the sweep reaches it
+    (summary,) = optuna.get_all_study_summaries(reach)
+    study = optuna.load_study(study_name=summary.study_name, storage=reach)
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED"]
     pruned = client_for(team.uri).search_runs(
         [client_for(team.uri).get_experiment_by_name("orchestrate").experiment_id], "tags.pruned = '10'")

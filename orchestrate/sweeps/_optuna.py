@@ -171,7 +171,10 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     import optuna
     from hydra.utils import instantiate
 
-    storage = conf["storage"] or default_storage(config.tracking.uri)
+    from orchestrate.server import with_driver
+
+    # A bare postgresql:// would pick SQLAlchemy 2.1's default driver, psycopg 3 (not installed).
+    storage = with_driver(conf["storage"] or default_storage(config.tracking.uri))
     if not conf["storage"] and storage.startswith("sqlite") and (why := remote_trials(config)):
         raise ConfigError(f"hydra.sweeper.storage=null: the study would be a SQLite file on this machine "
                           f"({storage}), and {why}; set hydra.sweeper.storage to a database every node can "
