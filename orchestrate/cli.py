@@ -175,6 +175,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     try:
         cfg = load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
+        plan.check_sweeper(cfg)
     except schema.ConfigError as e:
         fail(str(e))
     except COMPOSITION_ERRORS as e:
@@ -336,6 +337,8 @@ def main() -> None:
     try:
         with errors.hydra_raising():  # what Hydra would print as a traceback: one line here
             app.hydra_main()
+    except schema.ConfigError as e:  # a sweeper's own setting, refused before its sweep ran
+        fail(str(e))
     except Exception as e:
         ran = multirun or getattr(e, "orchestrate_run", None)
         errors.report(errors.one_line(e, "the sweep" if multirun else ""), e)

@@ -158,9 +158,13 @@ class OrchestrateOptunaSweeper(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
 
+        from orchestrate.sweeps import _optuna
+
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config)
+        launcher = type(self.launcher)
+        _optuna.check(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}")
 
     def sweep(self, arguments: List[str]) -> None:
         from orchestrate.sweeps import _optuna

@@ -234,8 +234,7 @@ def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
     `fastest` (the fastest probe that finished before it). The process is left as found
     (orchestrate.process.kept: thread counts, environment, ORT's logging); nothing stays on disk."""
     result = Probe(name)
-    with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept(), \
-            temporary_files_in(folder):
+    with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept():
         try:
             job = Job.prepare(cfg, folder, parallel=Aside())
         except ConfigError as e:
@@ -265,18 +264,6 @@ def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
     if result.stopped_at is None and not result.finished:  # trainer.on_nonfinite=skip dropped its last updates
         result.verdict = f"ended with a loss of {last}"
     return result
-
-
-@contextlib.contextmanager
-def temporary_files_in(folder: str) -> Iterator[None]:
-    """While the block runs, Python's temporary files and folders go into `folder`: what a backend
-    leaves there goes with the probe (the on-device backend builds its artifacts in a folder of its
-    own on a rank that does not log, as a probe's, and leaves it)."""
-    before, tempfile.tempdir = tempfile.tempdir, folder
-    try:
-        yield
-    finally:
-        tempfile.tempdir = before
 
 
 @contextlib.contextmanager

@@ -128,17 +128,9 @@ def backend_configs(*flags: str, unless: tuple[str, ...] = ()) -> dict[str, Dict
 def backends_taking(precision: str) -> list[str]:
     """The single-process backends (conf/backend names) that train in `precision`."""
     from orchestrate import schema
-    from orchestrate.config import group_options
 
-    found = []
-    for name in group_options("backend"):
-        try:
-            target = schema.target_of(backend_config(name), "backend")
-        except schema.ConfigError:
-            continue
-        if precision in getattr(target, "precisions", ()) and not target.distributed:
-            found.append(name)
-    return found
+    return [name for name, node in backend_configs(unless=("distributed",)).items()
+            if precision in schema.target_of(node, "backend").precisions]
 
 
 def backend_config(name: str) -> DictConfig:

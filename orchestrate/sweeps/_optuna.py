@@ -32,8 +32,7 @@ from orchestrate.sweeps import plan
 from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
 
 log = logging.getLogger(__name__)
-LOCAL_LAUNCHERS = ("hydra._internal.core_plugins.basic_launcher.BasicLauncher",
-                   "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher")
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs each job in this process
 
 
 # ---- 1. the search space -------------------------------------------------------------------------
@@ -184,9 +183,7 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     sampler_conf = OmegaConf.to_container(conf["sampler"], resolve=True)
     if sampler_conf.get("_target_") == "optuna.samplers.GridSampler":
         sampler_conf["search_space"] = space.grid()
-    direction = direction_of(conf["direction"])
-    if direction not in ("minimize", "maximize"):
-        raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
+    direction = direction_of(conf["direction"])  # checked in `check`
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     pruner = pruner_settings(OmegaConf.to_container(conf["pruner"], resolve=True), config.trainer)
     study = optuna.create_study(storage=storage, study_name=name, sampler=instantiate(sampler_conf),
@@ -202,18 +199,25 @@ def direction_of(value: Any) -> str:
     return str(getattr(value, "value", value)).lower()
 
 
+def check(direction, n_jobs: int | None, launcher: str) -> None:
+    """The sweeper's own settings (`launcher`: the launcher's class path), refused in one line:
+    by the command line's up-front check (orchestrate.sweeps.plan.check_sweeper), before the
+    sweep's MLflow run opens, and by the sweeper's setup for any other Hydra app."""
+    direction = direction_of(direction)
+    if direction not in ("minimize", "maximize"):
+        raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
+    if n_jobs is not None and n_jobs < 1:
+        raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: must be at least 1, or null (what the launcher runs at once)")
+    if n_jobs is not None and n_jobs > 1 and launcher == BASIC_LAUNCHER:
+        raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: hydra/launcher=basic runs one job at a time in this "
+                          "process; allowed: 1 or null, or hydra/launcher=orchestrate_ray for trials at once")
+
+
 # ---- 3. the slots -------------------------------------------------------------------------------
 
 def slot_count(sweeper, n_jobs: int | None) -> int:
-    """Trials at once: hydra.sweeper.n_jobs, else what the launcher runs at once."""
-    target = f"{type(sweeper.launcher).__module__}.{type(sweeper.launcher).__name__}"
-    in_process = target == LOCAL_LAUNCHERS[0]
+    """Trials at once: hydra.sweeper.n_jobs (checked in `check`), else what the launcher runs at once."""
     if n_jobs is not None:
-        if n_jobs < 1:
-            raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: must be at least 1, or null (what the launcher runs at once)")
-        if in_process and n_jobs > 1:
-            raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: hydra/launcher=basic runs one job at a time in this "
-                              "process; allowed: 1 or null, or hydra/launcher=orchestrate_ray for trials at once")
         return n_jobs
     slots = getattr(sweeper.launcher, "slots", None)
     return slots() if callable(slots) else 1

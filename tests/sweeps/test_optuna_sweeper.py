@@ -70,6 +70,14 @@ def test_the_study_lives_beside_the_mlflow_store(tmp_path, monkeypatch) -> None:
     assert _optuna.remote_trials(ray) is None
 
 
+def test_a_bad_sweeper_setting_is_one_line_before_any_run_opens(tmp_path):
+    done = sweep("+sweep=lr_optuna", *QUICK, "hydra/launcher=basic", "hydra.sweeper.n_jobs=2", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "hydra.sweeper.n_jobs=2: hydra/launcher=basic runs one job at a time in this process" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "mlflow-optuna.db").exists()
+    assert not (tmp_path / "mlflow.db").exists() or not sweep_runs(tmp_path)[1]  # no parent run
+
+
 def study_of(folder):
     (summary,) = optuna.get_all_study_summaries(f"sqlite:///{folder}/mlflow-optuna.db")
     return optuna.load_study(study_name=summary.study_name, storage=f"sqlite:///{folder}/mlflow-optuna.db")
