@@ -85,16 +85,17 @@ def child(argv: list[str], modules_file: Path, result_file: Path) -> None:
 
     import hydra._internal.hydra
 
-    from orchestrate import cli, job, tracking
+    from orchestrate import cli, job
+    from orchestrate.tracking import run
     from orchestrate.backends.torch import TorchBackend
 
     in_check = lambda stack: "up-front check" if any(p == "up-front check" for p, _ in stack) else "model build"
     timers.wrap(cli, "validate", "up-front check")
     timers.wrap(hydra._internal.hydra.Hydra, "compose_config", "composition")
     timers.wrap(job.Job, "prepare", in_check)
-    timers.wrap(tracking.Tracker, "_open", "MLflow set-up")
-    timers.wrap(tracking, "installed_packages", "environment capture")
-    timers.wrap(tracking.Tracker, "__exit__", "shutdown")
+    timers.wrap(run.Run, "__init__", "MLflow set-up")
+    timers.wrap(run, "installed_packages", "environment capture")
+    timers.wrap(run.Run, "__exit__", "shutdown")
     timers.wrap(TorchBackend, "fit", "training (first step)")
     sys.argv = ["orchestrate", *argv]
     try:

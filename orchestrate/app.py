@@ -20,9 +20,11 @@ from orchestrate import checkpoints, errors, plots, process, schema
 from orchestrate.job import Job
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
-from orchestrate.resume import close_orphans, config_key, find_resume
 from orchestrate.sweeps import pruning
-from orchestrate.tracking import Tracker, finished_run_metrics, handed_over_run, open_ui, reachable
+from orchestrate.tracking.run import Run, which_run
+from orchestrate.tracking.handover import finished_run_metrics
+from orchestrate.tracking.params import config_key
+from orchestrate.tracking.stores import open_ui, reachable
 
 
 @dataclass
@@ -76,7 +78,7 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
     if checked.stores[uri]:
         raise schema.ConfigError(checked.stores[uri])
     job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None)
-    find_resume(cfg)
+    which_run(cfg)
     return job
 
 
@@ -98,7 +100,6 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     kept = _KEPT.pop(OmegaConf.to_yaml(cfg), None)  # the job the command checked, if it checked this config
     # ConfigError here: nothing has been written anywhere yet.
     job = kept.moved_to(cfg, out_dir) if kept is not None else Job.prepare(cfg, out_dir)
-    in_sweep = handed_over_run() is not None  # a sweep's trial (MLflow's end_run takes the variable back)
     job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
@@ -106,8 +107,10 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not.
     # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
     with process.kept(), process.stop_on_signals(), job.backend.connect(job):
-        resume = find_resume(cfg)  # trainer.resume: the run and checkpoint to continue, or None
-        if resume is not None:
+        # Which MLflow run: a sweep's trial's, the one trainer.resume continues, or a new one.
+        plan = which_run(cfg)
+        if plan.resume is not None:  # its checkpoint loads before the run reopens: a bad one changes nothing
+            resume = plan.resume
             job.resume_state = checkpoints.load_checked(job.backend, job.model,
                                                         resume.fetch(job.out_dir / "checkpoints"))
             print(f"resuming MLflow run {resume.run_id} after step {resume.step}", flush=True)
@@ -117,14 +120,10 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         elif cfg.trainer.resume == "auto":
             print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
                   flush=True)
-        with Tracker(cfg, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
-                     resume_run_id=resume.run_id if resume else None) as tracker:
+        with Run(cfg, plan, run_name=choices.lower(), tags=tags, out_dir=job.out_dir) as tracker:
             job.track(tracker)
             tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:])  # the Dataset column
-            if cfg.trainer.resume == "auto":
-                for orphan in close_orphans(cfg, tracker.run_id):
-                    print(f"MLflow run {orphan} marked KILLED: its process ended without closing it", flush=True)
-            if resume is not None:
+            if plan.resume is not None:
                 job.meter.continue_history(tracker.logged_history())
             try:
                 job.backend.fit(job)
@@ -142,7 +141,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                                     title=choices)
             tracker.log_artifact(png)
     result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
-    print_summary(cfg, job, result, in_sweep)
+    print_summary(cfg, job, result, in_sweep=plan.handed_over is not None)
     return result
 
 

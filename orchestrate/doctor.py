@@ -248,7 +248,7 @@ def check_extensions(scratch: Path) -> tuple[bool, str]:
 
 def check_tracking(uri: str, source: str, timeout_s: float) -> tuple[bool, str]:
     from orchestrate.redact import redact_text
-    from orchestrate.tracking import reachable
+    from orchestrate.tracking.stores import reachable
 
     problem = reachable(uri, timeout_s)  # None, or a sentence that names the URI and the cause
     if problem is None:

@@ -39,7 +39,7 @@ class Meter:
                  agree: Callable[[bool], bool] = lambda flag: flag):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
-        self.tracker = tracker  # orchestrate.tracking.RunLogger, or None (not tracked, or not rank 0)
+        self.tracker = tracker  # orchestrate.tracking.logger.RunLogger, or None (not tracked, or not rank 0)
         self.logging = logging  # False on the runner's other workers: no bar, no evaluation
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
         self.update_allowed = update_allowed  # the runner's workers decide alike (Parallel.update_allowed)

@@ -1,7 +1,7 @@
 """A run leaves the process as it found it. Backends change process-wide settings on purpose
 (torch's thread pools sized for the run, ORTModule's `ORTMODULE_*` options read from the
 environment, Ray's settings, how much of ORT's output the console shows: `orchestrate.ort.quiet`),
-and the MLflow run sets MLflow's process-wide tracking URI; a later run in the same process (a
+and MLflow's client settings (orchestrate.tracking.settings); a later run in the same process (a
 benchmark, a test, a sweep trial on Hydra's basic launcher, a Ray worker reused for the next
 trial) must not inherit them. While a run is open, SIGTERM stops it as Ctrl-C does (`stop_on_signals`).
 """
@@ -16,16 +16,16 @@ from collections.abc import Iterator
 
 import torch
 
-from orchestrate import ort, tracking
+from orchestrate import ort
 
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
-    """Restore torch's thread counts and TF32 flags, the environment variables, MLflow's tracking URI, the
+    """Restore torch's thread counts and TF32 flags, the environment variables, the
     logging setup (logger levels, handler filters, whether Python warnings go to logging), ORT's
     default logger severity and the SIGINT and SIGTERM handlers on the way out (Ray Train's
     `fit` installs a SIGINT handler of its own and never takes it back)."""
-    threads, environ, uri = torch.get_num_threads(), dict(os.environ), tracking.mlflow_uri()
+    threads, environ = torch.get_num_threads(), dict(os.environ)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # trainer.tf32
     logs, severity = _logging_state(), ort.default_severity()
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS} if _main_thread() else {}
@@ -38,7 +38,6 @@ def kept() -> Iterator[None]:
         _restore_logging(logs)
         if ort.default_severity() != severity:
             ort.set_default_severity(severity)
-        tracking.set_mlflow_uri(uri)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

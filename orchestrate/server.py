@@ -87,7 +87,7 @@ class MlflowServer:
         # MLflow's default pool (5 + 10 overflow) and 8 trials each sending from several logging
         # threads, every connection ended up held by a waiting request: the server deadlocked
         # ("QueuePool limit ... reached"). A larger pool here, and one logging thread per run
-        # (orchestrate.outbox), keep requests in flight below the pool's size; one worker
+        # (orchestrate.tracking.outbox), keep requests in flight below the pool's size; one worker
         # process keeps the connections (40 + 10 overflow) within PostgreSQL's default 100. No
         # job-runner workers (MLflow's GenAI jobs, unused here): 0.55 GiB instead of 2.6 GiB.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",

@@ -2,7 +2,7 @@
 
 A run whose MLflow server was away at its end wrote what it kept (metrics with the step and time
 they were logged at, tags, files to upload) to `mlflow_unsent.jsonl` in its output folder
-(orchestrate.outbox). Once the server answers again:
+(orchestrate.tracking.outbox). Once the server answers again:
 
     orchestrate sync outputs/2026-11-27/10-00-00-000000            # the run folder(s)
     orchestrate sync --tracking-uri http://127.0.0.1:5000 RUN_FOLDER
@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrate.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, read_unsent, upload
+from orchestrate.tracking.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, read_unsent, upload
 from orchestrate.redact import HIDDEN, redact_text
 
 SENT_SUFFIX = ".sent"
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from mlflow.tracking import MlflowClient
 
-    from orchestrate.tracking import quick_http, set_env
+    from orchestrate.tracking.settings import quick_http, set_env
 
     failed = False
     env_before = quick_http()  # a server still away answers within seconds, not minutes

@@ -13,7 +13,7 @@ import torch
 from orchestrate import app, schema
 from orchestrate.backends.ondevice import OnDeviceBackend
 from orchestrate.job import Job
-from orchestrate.resume import config_key
+from orchestrate.tracking.params import config_key
 from orchestrate.tasks.data import Synthetic
 from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
 from tests.helpers import served_twice

@@ -117,7 +117,7 @@ def default_storage(tracking_uri: str) -> str:
     one `alembic_version`), otherwise a SQLite file in the working folder."""
     from sqlalchemy.engine import make_url
 
-    from orchestrate.tracking import absolute_uri
+    from orchestrate.tracking.stores import absolute_uri
 
     uri = absolute_uri(tracking_uri)
     if uri.startswith("sqlite:///"):

@@ -18,7 +18,8 @@ from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.callbacks import Handover
-from orchestrate.tracking import NO_RUN_LINKS, absolute_uri, new_sqlite_store, open_ui, set_env, training_experiment
+from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
+from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -221,7 +222,7 @@ class Sweep:
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        """No "View run at <server>" from MLflow (tracking.NO_RUN_LINKS): the summary names the store."""
+        """No "View run at <server>" from MLflow (orchestrate.tracking.settings.NO_RUN_LINKS): the summary names the store."""
         before = set_env(NO_RUN_LINKS)
         try:
             yield

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrate.server import HEALTH_TIMEOUT_S, MlflowServer, ServerError
-from orchestrate.tracking import training_experiment
+from orchestrate.tracking.stores import training_experiment
 
 
 def own_server(uri: str, tracking_server: bool) -> bool:

@@ -10,7 +10,7 @@ Where each hook runs (hydra/_internal/hydra.py `multirun()`, hydra/core/utils.py
   Ray worker (orchestrate's launcher) or a subprocess (submitit). Launchers hand `run_job` the
   HydraContext that holds this object, pickled for a remote job, so `self.handover` travels with it.
   The job's child run reaches the app through MLflow's own variables `MLFLOW_RUN_ID` and
-  `MLFLOW_TRACKING_URI` (see orchestrate.tracking.Tracker), set for the job and taken back after it.
+  `MLFLOW_TRACKING_URI` (see orchestrate.tracking.handover), set for the job and taken back after it.
 - `on_multirun_end`, in the launching process: the summary, the parent closed, the server stopped.
   Hydra skips it when the sweeper raises (a failed trial makes Hydra's sweepers raise), so each
   open sweep is also in `_OPEN`, which `close_open_sweeps()` (called by orchestrate/cli.py in
@@ -28,7 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.tracking import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
+from orchestrate.tracking.settings import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
 
 _OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
 

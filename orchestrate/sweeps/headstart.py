@@ -54,13 +54,13 @@ def head_start(cfg: DictConfig, trials: int) -> Iterator[None]:
 def _start_server(cfg: DictConfig) -> list[Path]:
     """The sweep's own MLflow server, as `_runs.Sweep` would start it: for a SQLite store the
     trials write through (the sweep_tracking callback's settings). Returns the files it created."""
-    from orchestrate.tracking import absolute_uri
+    from orchestrate.tracking.stores import absolute_uri
 
     tracking = OmegaConf.select(cfg, "hydra.callbacks.sweep_tracking")
     if tracking is None or not str(tracking.get("_target_", "")).endswith(".SweepTracking"):
         return []
     from orchestrate.sweeps._server import TrackingServer, own_server, prepare_store
-    from orchestrate.tracking import new_sqlite_store
+    from orchestrate.tracking.stores import new_sqlite_store
 
     uri = absolute_uri(str(tracking.tracking_uri))
     if not own_server(uri, tracking.get("tracking_server", True)) or uri in _SERVERS:

@@ -52,7 +52,7 @@ from orchestrate import ort, process, ray_cluster, schema
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.meter import Diverged
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
-from orchestrate.tracking import absolute_uri
+from orchestrate.tracking.stores import absolute_uri
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement group strategies
 _ENGINES: dict[str, dict] = {}  # engine name -> its backend config, composed once per process

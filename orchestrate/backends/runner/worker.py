@@ -33,7 +33,8 @@ def worker_loop(config: dict) -> None:
     from orchestrate import schema
     from orchestrate.backends.runner.driver import remember_engine
     from orchestrate.job import Job
-    from orchestrate.tracking import ONE_LOGGING_THREAD, RunLogger
+    from orchestrate.tracking.logger import RunLogger
+    from orchestrate.tracking.settings import ONE_LOGGING_THREAD
 
     logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
     context = ray.train.get_context()

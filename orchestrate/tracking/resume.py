@@ -2,7 +2,6 @@
 latest finished checkpoint, on disk or as an artifact. Reads the store only, so the entry point can
 check `trainer.resume` before anything is written."""
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -11,21 +10,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from orchestrate.schema import ConfigError
-from orchestrate.tracking import absolute_uri, flatten
+from orchestrate.tracking.params import config_key, flatten, training_keys
+from orchestrate.tracking.stores import absolute_uri
 
-# Keys that may differ between a run and its continuation; every other key must be the same.
-RESUME_FREE = ("trainer.resume", "trainer.progress")
 # A run that diverged (its `diverged_at` tag) may also go on with a lower learning rate, or
 # skipping non-finite steps, from its last checkpoint before the nan.
 RECOVERY_FREE = ("optimizer.lr", "trainer.on_nonfinite")
-
-
-def config_key(cfg: DictConfig) -> str:
-    """A hash of the config that decides the training (tracking settings left out): a run is
-    only continued by the same config."""
-    items = sorted((k, v) for k, v in flatten(cfg).items()
-                   if not k.startswith("tracking.") and k not in RESUME_FREE)
-    return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -123,8 +113,7 @@ def recoverable(run, changed: dict) -> bool:
 def differing(cfg: DictConfig, run) -> dict[str, tuple[str, str]]:
     """The training keys whose value in `cfg` differs from `run`'s params: key -> (was, now)."""
     now = flatten(cfg)
-    return {k: (v, now.get(k)) for k, v in run.data.params.items()
-            if not k.startswith("tracking.") and k not in RESUME_FREE and now.get(k) != v}
+    return {k: (v, now.get(k)) for k, v in training_keys(run.data.params).items() if now.get(k) != v}
 
 
 def close_orphans(cfg: DictConfig, run_id: str) -> list[str]:

@@ -1,15 +1,10 @@
-"""What a run logs beside its metrics, the MLflow 3 way, through the run's client (so that the
-runner's rank 0 logs them as the driver would):
-
-- its data (`dataset_inputs`): the training and eval splits as the run's inputs, each with a name,
-  a digest of its contents, its shape and its split, so that the runs table's Dataset column and
-  MLflow's dataset filters tell runs on different data apart;
-- its trained model (`log_model`): `model.onnx` with MLflow's ONNX flavor as a LoggedModel (a
-  signature and an input example from the data's sample batch), linked to the run at its last
-  step and to its last evaluation's metrics (on the eval split), so that it is in the Models
-  column, `mlflow.search_logged_models`, loadable as `models:/<model_id>` with
-  `mlflow.pyfunc.load_model` and servable with `mlflow models serve`; with
-  `tracking.register_model=NAME`, a new version of NAME with the alias `latest`.
+"""The trained model, the MLflow 3 way: `model.onnx` with MLflow's ONNX flavor as a LoggedModel (a
+signature and an input example from the data's sample batch), linked to the run at its step and to
+its last evaluation's metrics (on the eval split), so that it is in the Models column,
+`mlflow.search_logged_models`, loadable as `models:/<model_id>` with `mlflow.pyfunc.load_model`
+and servable with `mlflow models serve`; with `tracking.register_model=NAME`, a new version of
+NAME with the alias `latest`. Logged through the run's client, so that the runner's rank 0 logs
+it as the driver would.
 """
 
 import tempfile
@@ -17,28 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-CONTEXT = "mlflow.data.context"  # the input tag MLflow's UI shows as the data set's split
 ALIAS = "latest"  # the alias each newly registered version takes
 
 
-def dataset_inputs(data, name: str) -> list:
-    """The data set's splits as MLflow DatasetInputs (none for a data set that holds no arrays)."""
-    import mlflow.data
-    from mlflow.entities import DatasetInput, InputTag
-
-    found = []
-    for split in ("train", "eval"):
-        x, y = getattr(data, f"x_{split}", None), getattr(data, f"y_{split}", None)
-        if x is None:
-            continue
-        dataset = mlflow.data.from_numpy(np.asarray(x), targets=np.asarray(y), name=name)
-        found.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(CONTEXT, split)]))
-    return found
-
-
-def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str | None = None) -> str:
-    """`path` (an ONNX model) as a READY LoggedModel of the logger's run, output at `step`, its
-    last evaluation's metrics linked to it; registered as a new version of `register`. Returns
+def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str | None = None,
+              name: str = "model") -> str:
+    """`path` (an ONNX model) as a READY LoggedModel `name` of the logger's run, output at `step`,
+    its last evaluation's metrics linked to it; registered as a new version of `register`. Returns
     the model's id."""
     import mlflow.onnx
     import onnx
@@ -50,7 +30,7 @@ def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str |
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     output = session.run(None, {session.get_inputs()[0].name: sample})[0]
     experiment_id = client.get_run(run_id).info.experiment_id
-    model = client.create_logged_model(experiment_id, name="model", source_run_id=run_id, model_type="onnx")
+    model = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type="onnx")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             # Served on what this onnxruntime build has (MLflow's default names CUDA first, and warns

@@ -1,5 +1,5 @@
-"""What a run logs beside its metrics (orchestrate.run_outputs), read back through MLflow's public
-client from a real `mlflow server`: the trained model as a LoggedModel that loads with
+"""What a run logs beside its metrics (orchestrate.tracking.models and .datasets), read back
+through MLflow's public client from a real `mlflow server`: the trained model as a LoggedModel that loads with
 `mlflow.pyfunc` (and `mlflow models serve` answers with) and predicts the eval split with the
 accuracy the run logged, registered with the alias `latest`; the data as the run's inputs, whose
 digest tells two data sets apart; MLflow's system metrics when asked for."""

@@ -1,0 +1,23 @@
+"""A run handed over by a sweep: the sweep callbacks (orchestrate.sweeps) open each trial's run as a
+nested child of the sweep's parent and hand it to the trial's process in MLflow's own variables,
+`MLFLOW_RUN_ID` and `MLFLOW_TRACKING_URI`; the trial logs into it instead of opening its own."""
+
+import os
+
+
+def handed_over_run() -> tuple[str, str] | None:
+    """(tracking URI, run id) when the environment hands this process a run to log into."""
+    run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
+    return (uri, run_id) if run_id and uri else None
+
+
+def finished_run_metrics() -> dict[str, float] | None:
+    """The metrics of the handed-over run if it has already FINISHED (a sweep being resumed hands
+    a trial that finished in an earlier attempt its old run: there is nothing to train), else None."""
+    given = handed_over_run()
+    if given is None:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=given[0]).get_run(given[1])
+    return dict(run.data.metrics) if run.info.status == "FINISHED" else None

@@ -1,0 +1,117 @@
+"""Logging into one MLflow run by its id, through MLflow's client only (no process-wide tracking
+URI or active run: two runs in one process, or a notebook's own MLflow use, never mix). Metrics,
+tags and artifacts that could not be uploaded at once go out through the run's outbox
+(orchestrate.tracking.outbox): training never waits for the server, and an outage loses nothing.
+
+Metric names (MLflow's compare view overlays backends because these never change):
+  train/loss, eval/loss, eval/accuracy, perf/samples_per_sec, perf/step_time_ms, lr
+and once at the end: final/train_loss, final/eval_loss, final/eval_accuracy,
+final/samples_per_sec, final/step_time_ms, final/wall_time_s.
+"""
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrate.redact import redact_text
+from orchestrate.tracking import datasets, models
+from orchestrate.tracking.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Outbox, cause, server_away, upload
+from orchestrate.tracking.settings import quick_http, set_env
+
+log = logging.getLogger(__name__)
+
+
+class RunLogger:
+    """Logs into one MLflow run by its id: the run a Tracker opened, or (rank 0 of the runner's
+    workers) a run that another process opened. Metrics and tags go out through an outbox
+    (orchestrate.tracking.outbox): training never waits for the server, and an outage loses nothing.
+    `close()` at the end: what the server did not take by then goes to `out_dir/mlflow_unsent.jsonl`."""
+
+    def __init__(self, uri: str, run_id: str, out_dir: Path | None = None):
+        from mlflow.tracking import MlflowClient
+
+        self.client, self.uri, self.run_id = MlflowClient(tracking_uri=uri), uri, run_id
+        self.env_before = quick_http()
+        unsent = Path(out_dir or tempfile.gettempdir()) / (UNSENT_FILE if out_dir else f"{run_id}-{UNSENT_FILE}")
+        self.outbox = Outbox(self.client, run_id, redact_text(uri), unsent)
+        self.last_eval: dict[str, Any] = {}  # the last evaluation's points: the trained model's metrics
+        self.eval_dataset: tuple[str, str] | None = None  # (name, digest) of the eval split, once known
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        # Each point carries the time it was logged, also when it is sent later.
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.last_eval.update({m.key: m for m in points if m.key.startswith("eval/")})
+        self.outbox.put(points)
+
+    def log_datasets(self, data, name: str, record: bool = True) -> None:
+        """The data's splits as the run's inputs (orchestrate.tracking.datasets); `record=False` only
+        notes the eval split's name and digest (the runner's rank 0: the driver logged them)."""
+        inputs = datasets.dataset_inputs(data, name)
+        for given in inputs:
+            if any(t.key == datasets.CONTEXT and t.value == "eval" for t in given.tags):
+                self.eval_dataset = (given.dataset.name, given.dataset.digest)
+        if record and inputs:
+            try:
+                self.client.log_inputs(self.run_id, datasets=inputs)
+            except Exception as e:  # noqa: BLE001 - the run trains without its inputs listed
+                log.warning(f"the data was not logged as the run's inputs ({cause(e)})")
+
+    def log_model(self, path: Path, sample, step: int, register: str | None = None,
+                  name: str = "model") -> str | None:
+        """The model at `path` as an MLflow LoggedModel (orchestrate.tracking.models); a store that
+        does not take it does not fail the run: the file stays in the output folder."""
+        self.outbox.flush()  # the last evaluation's points are in the store before the model links them
+        try:
+            return models.log_model(self, path, sample, step, register, name)
+        except Exception as e:  # noqa: BLE001 - the run trained; only its MLflow model is missing
+            log.warning(f"{path} was not logged as an MLflow model ({cause(e)}); it stays in the output folder")
+            return None
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.outbox.put([RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._upload(path, artifact_path)
+
+    def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
+        self._upload(folder, artifact_path)
+
+    def _upload(self, path: Path, artifact_path: str | None) -> None:
+        """Upload now (the file may be replaced soon: checkpoints rotate); while the server is away,
+        or when it does not answer, the outbox uploads it later. Training goes on either way."""
+        artifact = Artifact(str(path), artifact_path)
+        if not self.outbox.away:
+            try:
+                upload(self.client, self.run_id, artifact)
+                return
+            except Exception as e:  # noqa: BLE001 - an upload never stops training
+                if not server_away(e):
+                    log.warning(f"{path} was not uploaded to MLflow ({cause(e)}); it stays in the output folder")
+                    return
+        self.outbox.put([artifact])
+
+    def logged_history(self) -> dict[str, list[tuple[int, float]]]:
+        """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its
+        curves on and does not log a step twice."""
+        keys = self.client.get_run(self.run_id).data.metrics.keys()
+        return {k: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
+
+    def flush(self) -> bool:
+        """Wait until everything logged so far is in the store, unless the server is away (then
+        training does not wait: the outbox keeps it). True when everything was sent."""
+        return self.outbox.flush()
+
+    def close(self, wait_s: float = END_WAIT_S) -> bool:
+        """The end of logging: send what is left (waiting up to `wait_s` for a server that is
+        away), and give MLflow's HTTP settings back. True when everything was sent."""
+        try:
+            return self.outbox.close(wait_s)
+        finally:
+            set_env(self.env_before)
