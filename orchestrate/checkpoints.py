@@ -15,6 +15,7 @@ import io
 import os
 import shutil
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,15 +38,20 @@ class Checkpoints:
     `save`, so that `on_save` (the runner's report to Ray Train) is called on all of them alike."""
 
     def __init__(self, trainer: TrainerConf, folder: Path, tracker: Any = None, log_to_tracker: bool = True,
-                 writer: bool = True):
+                 writer: bool = True, sample: Callable[[], Any] | None = None):
         self.trainer, self.folder, self.tracker = trainer, folder, tracker
         self.log_to_tracker, self.writer = log_to_tracker, writer
+        self.sample = sample  # the data's sample batch (numpy), for the signature of each checkpoint's model
         self.on_save: Callable[[int, Path | None], None] | None = None
         self.seconds = 0.0  # time spent writing: the meter leaves it out of the step times
 
-    def save(self, step: int, write: Callable[[Path], None], suffix: str) -> Path | None:
+    def save(self, step: int, write: Callable[[Path], None], suffix: str,
+             export: Callable[[Path], None] | None = None) -> Path | None:
         """At checkpoint steps, `write(path)` a checkpoint; returns its path (None elsewhere, and
-        on workers that do not write)."""
+        on workers that do not write). Logged to MLflow (tracking.log_checkpoints), the checkpoint
+        is also a model: `export(path)` writes it as ONNX, logged as the LoggedModel
+        `checkpoint-<step>` linked to its step and last evaluation, as MLflow's deep-learning guide
+        logs checkpoints (the last step's is the run's own model: Job.export_model)."""
         if not self.trainer.due(step, self.trainer.checkpoint_period):
             return None
         began = time.perf_counter()
@@ -74,6 +80,10 @@ class Checkpoints:
                 old.unlink()
             if self.tracker is not None and self.log_to_tracker:
                 self.tracker.log_artifact(path, "checkpoints")
+                if export is not None and self.sample is not None and step < self.trainer.max_steps:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        export(Path(tmp) / "model.onnx")
+                        self.tracker.log_model(Path(tmp) / "model.onnx", self.sample(), step, name=f"checkpoint-{step}")
         if self.on_save is not None:
             self.on_save(step, path)
         self.seconds += time.perf_counter() - began

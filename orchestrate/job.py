@@ -186,7 +186,8 @@ class Job:
         self.lr = float(self.cfg.optimizer.lr)
         self.device = self.parallel.device or torch.device(self.trainer.device.value)
         self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints",
-                                       log_to_tracker=self.cfg.tracking.log_checkpoints, writer=self.parallel.logging)
+                                       log_to_tracker=self.cfg.tracking.log_checkpoints, writer=self.parallel.logging,
+                                       sample=lambda: self.data.sample_input().cpu().numpy())
         t = self.trainer
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,

@@ -165,7 +165,7 @@ class TrackingConf:
     uri: str = "${oc.env:ORCHESTRATE_TRACKING_URI,${oc.env:MLFLOW_TRACKING_URI,'sqlite:///mlflow.db'}}"
     experiment: str = "${oc.env:MLFLOW_EXPERIMENT_NAME,orchestrate}"
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
-    log_checkpoints: bool = True  # upload each checkpoint as an artifact
+    log_checkpoints: bool = True  # upload each checkpoint as an artifact, and its model as a LoggedModel
     # Register each run's trained model (its MLflow LoggedModel) as a new version of this registered
     # model, with the alias `latest`; null: logged, not registered.
     register_model: Optional[str] = None

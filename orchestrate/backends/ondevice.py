@@ -342,6 +342,9 @@ class OnDeviceBackend(Backend):
         reseed = draws_random(folder / "training_model.onnx")
         module.train()
 
+        def export(path: Path) -> None:  # the model as ONNX for inference: at checkpoints and at the end
+            module.export_model_for_inferencing(str(path), ["logits"])
+
         for step in meter.steps(start=done + 1):
             if reseed:
                 set_seed((t.seed * 2**32 + step) % 2**63)
@@ -366,12 +369,13 @@ class OnDeviceBackend(Backend):
 
             meter.record(step, loss_sum / K)
             meter.evaluate(step, lambda: self.evaluate(module, job))
-            job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt")
+            job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt",
+                                 export=export)
             if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
                 break
 
         if parallel.logging:
-            job.export_model(lambda path: module.export_model_for_inferencing(str(path), ["logits"]))
+            job.export_model(export)
 
     def evaluate(self, module, job) -> tuple[float, float | None]:
         """Forward only, through the eval graph that shares the training parameters (and the

@@ -72,6 +72,9 @@ class TorchBackend(Backend):
         done = checkpoints.restore_torch(state, optimizer, scheduler, scaler, job) if state is not None else 0
         model.train()
 
+        def export(path: Path) -> None:  # the model as ONNX for inference: at checkpoints and at the end
+            export_onnx(plain, job.data.sample_input().to(device), path)
+
         for step in meter.steps(start=done + 1):
             self.seed_step(step, job)
             loss_sum = 0.0
@@ -106,12 +109,12 @@ class TorchBackend(Backend):
                 meter.log(parallel.replica_metrics(model.parameters()), step)
             meter.evaluate(step, lambda: evaluate(plain, job))
             job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, optimizer, scheduler,
-                                                                          job, scaler=scaler), suffix=".pt")
+                                                                          job, scaler=scaler), suffix=".pt", export=export)
             if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
                 break
 
         if parallel.logging:
-            job.export_model(lambda path: export_onnx(plain, job.data.sample_input().to(device), path))
+            job.export_model(export)
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         return checkpoints.torch_parameters(path)

@@ -44,9 +44,9 @@ def registered(mlflow_server, tmp_path_factory):
 def test_the_model_is_a_logged_model_that_predicts_the_eval_split_with_the_logged_accuracy(registered, mlflow_server):
     client, first, _, _ = registered
     run = client.get_run(first.run_id)
-    (output,) = run.outputs.model_outputs
-    assert output.step == 60
+    (output,) = [o for o in run.outputs.model_outputs if o.step == 60]
     model = client.get_logged_model(output.model_id)
+    assert model.name == "model"
     assert str(model.status).endswith("READY") and model.source_run_id == first.run_id
     found = client.search_logged_models([run.info.experiment_id])
     assert output.model_id in {m.model_id for m in found}
@@ -62,6 +62,36 @@ def test_the_model_is_a_logged_model_that_predicts_the_eval_split_with_the_logge
         mlflow.set_tracking_uri(None)
     data = build_data(client_config().data)
     assert accuracy_of(loaded, data) == pytest.approx(run.data.metrics["final/eval_accuracy"], abs=1 / len(data.y_eval))
+
+
+@pytest.mark.parametrize("backend", ["torch", "ondevice"])
+def test_each_checkpoint_is_a_model_at_its_step_that_predicts_with_that_step_s_accuracy(backend, make_cfg, tmp_path):
+    """tracking.log_checkpoints: every checkpoint before the last is also a LoggedModel
+    `checkpoint-<step>` (the last step's is the run's own `model`), linked to its step and loading
+    with `mlflow.pyfunc` to predict the eval split with the accuracy logged at that step."""
+    cfg = make_cfg(f"backend={backend}", "data=digits", "trainer.max_steps=45", "model.hidden=[32]")
+    result = app.train(cfg, tmp_path / "out")
+    client = client_for(cfg.tracking.uri)
+    outputs = {o.step: client.get_logged_model(o.model_id) for o in client.get_run(result.run_id).outputs.model_outputs}
+    assert {step: m.name for step, m in outputs.items()} == {15: "checkpoint-15", 30: "checkpoint-30", 45: "model"}
+    accuracy = dict(result.history["eval/accuracy"])
+    data = build_data(cfg.data)
+    for step in (15, 30):
+        assert {m.key: m.value for m in outputs[step].metrics}["eval/accuracy"] == accuracy[step]
+        mlflow.set_tracking_uri(cfg.tracking.uri)
+        try:
+            loaded = mlflow.pyfunc.load_model(f"models:/{outputs[step].model_id}")
+        finally:
+            mlflow.set_tracking_uri(None)
+        assert accuracy_of(loaded, data) == pytest.approx(accuracy[step], abs=1 / len(data.y_eval))
+    assert accuracy[15] != accuracy[45]  # the checkpoints are the models of their own steps
+
+
+def test_checkpoints_not_logged_are_no_models(make_cfg, tmp_path):
+    cfg = make_cfg("backend=torch", "tracking.log_checkpoints=false")
+    result = app.train(cfg, tmp_path / "out")
+    outputs = client_for(cfg.tracking.uri).get_run(result.run_id).outputs.model_outputs
+    assert [o.step for o in outputs] == [30]
 
 
 def client_config():
