@@ -1,12 +1,13 @@
 """Opening the MLflow run a training run logs into, in one place:
 
-- `which_run(cfg)` decides which run, reading the store only (the command line calls it while checking a
-  config, before anything is written): the run a sweep handed this trial, the run `trainer.resume`
-  continues (orchestrate.tracking.resume), or a new one;
-- `Run(cfg, plan, ...)` opens the run it names, as a context manager: the run's tags, params, config and
-  installed packages, what its last attempt kept for a server that was away, the runs of the same
-  config that `trainer.resume=auto` finds orphaned, MLflow's system metrics when asked for; on the
-  way out it ends the run with its outcome (FINISHED, FAILED with the error, KILLED).
+- `which_run(cfg)` decides which run, reading the store only (the command line calls it while
+  checking a config, before anything is written): the run a sweep handed this trial, the run
+  `trainer.resume` continues (orchestrate.tracking.resume), or a new one;
+- `Run(cfg, plan, ...)` opens the run that plan names, as a context manager: the run's tags,
+  params, config and installed packages, what its last attempt kept for a server that was away,
+  the runs of the same config that `trainer.resume=auto` finds orphaned, MLflow's system metrics
+  when asked for; on the way out it ends the run with its outcome (FINISHED, FAILED with the
+  error, KILLED).
 
 Everything goes through MLflow's client (orchestrate.tracking.logger): no process-wide tracking URI,
 experiment or active run is set, so nothing has to be put back and a notebook's own MLflow use is
@@ -63,8 +64,8 @@ def which_run(cfg: DictConfig) -> Plan:
 
 
 class Run(RunLogger):
-    """The run `which_run` chose, open. An exception out of the `with` block marks it FAILED (the error
-    text in its `error` tag), Ctrl-C or a stopping signal KILLED, a clean exit FINISHED."""
+    """The run `which_run` chose, open. An exception out of the `with` block marks it FAILED (the
+    error text in its `error` tag), Ctrl-C or a stopping signal KILLED, a clean exit FINISHED."""
 
     def __init__(self, cfg: DictConfig, plan: Plan, run_name: str, tags: dict[str, str], out_dir: Path):
         from mlflow.tracking import MlflowClient
