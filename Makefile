@@ -52,7 +52,7 @@ server: setup
 # The README's pictures of the MLflow UI (docs/mlflow_*.png): a backend sweep, then headless Chromium
 # (Debian's `chromium`) driven by Playwright (the `docs` extra).
 screenshots: setup
-	$(BIN)/pip install -q -c $(ROOT)constraints.txt '$(ROOT)[docs]'
+	$(BIN)/pip install -q -c $(ROOT)constraints.txt -e '$(ROOT)[test,docs]'
 	$(BIN)/python $(ROOT)scripts/mlflow_ui_screenshot.py $(ARGS)
 
 clean:
