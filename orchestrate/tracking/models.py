@@ -18,8 +18,8 @@ ALIAS = "latest"  # the alias each newly registered version takes
 def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str | None = None,
               name: str = "model") -> str:
     """`path` (an ONNX model) as a READY LoggedModel `name` of the logger's run, output at `step`,
-    its last evaluation's metrics linked to it; registered as a new version of `register`. Returns
-    the model's id."""
+    the evaluation at that step (if there was one) linked to it; registered as a new version of
+    `register`. Returns the model's id."""
     import mlflow.onnx
     import onnx
     import onnxruntime
@@ -54,7 +54,7 @@ def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str |
     linked = [m.__class__(m.key, m.value, m.timestamp, m.step, model_id=model.model_id,
                           dataset_name=logger.eval_dataset[0] if logger.eval_dataset else None,
                           dataset_digest=logger.eval_dataset[1] if logger.eval_dataset else None)
-              for m in logger.last_eval.values()]
+              for m in logger.last_eval.values() if m.step == step]  # a checkpoint between evaluations: none
     if linked:
         client.log_batch(run_id, metrics=linked)
     if register:

@@ -46,7 +46,7 @@ def trained(request, mlflow_server, tmp_path_factory):
         request.getfixturevalue("ray_shared")
     out = tmp_path_factory.mktemp(request.param)
     cfg = load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
-                           "trainer.checkpoint_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
+                           "trainer.checkpoint_period=20", "trainer.evaluation_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
                            "tracking.experiment=contract"])
     result = app.train(cfg, out)
     return request.param, cfg, result, client_for(mlflow_server)
@@ -65,7 +65,7 @@ def test_metrics_params_and_tags_in_mlflow(trained):
     assert run.info.status == "FINISHED"
     for key in METRICS:
         assert metric_steps(client, result.run_id, key), f"{key} missing"
-    assert [s for s, _ in metric_steps(client, result.run_id, "eval/loss")] == [15, 30, 40]
+    assert [s for s, _ in metric_steps(client, result.run_id, "eval/loss")] == [20, 40]
     for key in ["final/train_loss", "final/eval_loss", "final/eval_accuracy", "final/samples_per_sec"]:
         assert key in run.data.metrics
     assert run.data.params["trainer.max_steps"] == "40"
@@ -117,6 +117,27 @@ def test_onnx_model_infers_like_the_trained_model(trained):
     accuracy = float((logits.argmax(-1) == data.y_eval.numpy()).mean())
     assert accuracy == pytest.approx(client.get_run(result.run_id).data.metrics["final/eval_accuracy"], abs=1e-6)
     assert accuracy > 0.5  # 4 classes: well above chance after 40 steps
+
+
+def test_the_run_s_models_load_from_mlflow_and_predict_with_the_logged_accuracy(trained, mlflow_server):
+    """The final model (`model`, at the last step) and the checkpoint before it (`checkpoint-20`) are
+    LoggedModels of the run: `mlflow.pyfunc.load_model("models:/<id>")` predicts the eval split
+    with the accuracy the run logged at their steps."""
+    import mlflow
+
+    _, cfg, result, client = trained
+    data = schema.build(cfg.data, "data")
+    outputs = {o.step: client.get_logged_model(o.model_id) for o in client.get_run(result.run_id).outputs.model_outputs}
+    assert {step: m.name for step, m in outputs.items()} == {20: "checkpoint-20", 40: "model"}
+    accuracy = dict(metric_steps(client, result.run_id, "eval/accuracy"))
+    mlflow.set_tracking_uri(mlflow_server)
+    try:
+        for step, model in outputs.items():
+            predicted = mlflow.pyfunc.load_model(f"models:/{model.model_id}").predict(data.x_eval.numpy())
+            logits = predicted["logits"] if isinstance(predicted, dict) else np.asarray(predicted)
+            assert float((logits.argmax(-1) == data.y_eval.numpy()).mean()) == pytest.approx(accuracy[step], abs=1e-6)
+    finally:
+        mlflow.set_tracking_uri(None)
 
 
 def test_onnx_model_has_the_signature_of_torchs_export(trained, tmp_path):
