@@ -209,6 +209,17 @@ class Job:
         position = (step - 1) * t.gradient_accumulation_steps + micro
         return self.data.train_batch(position, t.batch_size, t.seed, p.rank, p.world_size)
 
+    def registration(self):
+        """Where the final model is registered (tracking.register_model), None: not registered. The
+        alias `best` goes by the sweep's metric, as the model's evaluation names it (the meter's
+        final `eval_loss` is the evaluation's `eval/loss`)."""
+        from orchestrate.tracking.models import Registration
+
+        name = self.cfg.tracking.register_model
+        metric, direction = self.cfg.sweep.metric, self.cfg.sweep.direction
+        minimize = schema.Direction(direction) is schema.Direction.minimize
+        return Registration(name, metric.replace("_", "/", 1), minimize) if name else None
+
     def export_model(self, write) -> Path | None:
         """Save the trained model as ONNX for inference (`model.onnx`) and log it to the run. Not
         for a trial a sweep's pruner stopped: it lost, and its export (a second or more for a
@@ -221,5 +232,5 @@ class Job:
         if self.meter.tracker is not None:
             self.meter.tracker.log_artifact(path)
             sample = self.data.sample_input().cpu().numpy()
-            self.meter.tracker.log_model(path, sample, self.meter.step, self.cfg.tracking.register_model)
+            self.meter.tracker.log_model(path, sample, self.meter.step, self.registration())
         return path

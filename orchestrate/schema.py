@@ -167,7 +167,8 @@ class TrackingConf:
     run_name: Optional[str] = None  # default: "<backend>-<model>-<data>"
     log_checkpoints: bool = True  # upload each checkpoint as an artifact, and its model as a LoggedModel
     # Register each run's trained model (its MLflow LoggedModel) as a new version of this registered
-    # model, with the alias `latest`; null: logged, not registered.
+    # model; the alias `best` marks the version with the best evaluation (sweep.metric and
+    # sweep.direction); null: logged, not registered.
     register_model: Optional[str] = None
     # MLflow's system metrics (CPU, memory, disk, network; GPU where pynvml is installed) under
     # system/*, sampled every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (10 by default).

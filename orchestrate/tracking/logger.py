@@ -61,7 +61,7 @@ class RunLogger:
             except Exception as e:  # noqa: BLE001 - the run trains without its inputs listed
                 log.warning(f"the data was not logged as the run's inputs ({cause(e)})")
 
-    def log_model(self, path: Path, sample, step: int, register: str | None = None,
+    def log_model(self, path: Path, sample, step: int, register: "models.Registration | None" = None,
                   name: str = "model") -> str | None:
         """The model at `path` as an MLflow LoggedModel (orchestrate.tracking.models); a store that
         does not take it does not fail the run: the file stays in the output folder."""

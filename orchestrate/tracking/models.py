@@ -3,28 +3,43 @@ signature and an input example from the data's sample batch), linked to the run 
 its last evaluation's metrics (on the eval split), so that it is in the Models column,
 `mlflow.search_logged_models`, loadable as `models:/<model_id>` with `mlflow.pyfunc.load_model`
 and servable with `mlflow models serve`; with `tracking.register_model=NAME`, a new version of
-NAME with the alias `latest`. Logged through the run's client, so that the runner's rank 0 logs
+NAME (`models:/NAME/latest` is MLflow's name for the newest), and the alias `best` on the version
+whose evaluation is best by `sweep.metric` and `sweep.direction` (`models:/NAME@best`). Logged through the run's client, so that the runner's rank 0 logs
 it as the driver would.
 """
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ALIAS = "latest"  # the alias each newly registered version takes
+BEST = "best"  # the alias of the registered version with the best evaluation ("latest" is MLflow's own)
 
 
-def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str | None = None,
+@dataclass(frozen=True)
+class Registration:
+    """Where a final model is registered: a new version of `name`; the alias BEST moves to it when
+    its linked `metric` (an evaluation metric: eval/loss, eval/accuracy) beats the holder's."""
+
+    name: str
+    metric: str
+    minimize: bool
+
+    def better(self, value: float, than: float | None) -> bool:
+        return than is None or (value < than if self.minimize else value > than)
+
+
+def log_model(logger, path: Path, sample: np.ndarray, step: int, register: Registration | None = None,
               name: str = "model") -> str:
     """`path` (an ONNX model) as a READY LoggedModel `name` of the logger's run, output at `step`,
-    the evaluation at that step (if there was one) linked to it; registered as a new version of
-    `register`. Returns the model's id."""
+    the evaluation at that step (if there was one) linked to it; registered as `register` says.
+    Returns the model's id."""
     import mlflow.onnx
     import onnx
     import onnxruntime
     from mlflow.entities import LoggedModelOutput
-    from mlflow.models import infer_signature
+    from mlflow.models import Model, infer_signature
 
     client, run_id = logger.client, logger.run_id
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -41,8 +56,10 @@ def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str |
             # subprocess (5.5 s of every run's end, measured on the digits MLP).
             needs = [f"mlflow=={mlflow.__version__}", f"onnx=={onnx.__version__}",
                      f"onnxruntime=={onnxruntime.__version__}", f"numpy=={np.__version__}"]
+            # The MLmodel file names its run and model, as MLflow's own log_model writes it.
             mlflow.onnx.save_model(onnx.load(str(path)), f"{tmp}/model", signature=infer_signature(sample, output),
-                                   input_example=sample, onnx_execution_providers=providers, pip_requirements=needs)
+                                   input_example=sample, onnx_execution_providers=providers, pip_requirements=needs,
+                                   mlflow_model=Model(run_id=run_id, model_id=model.model_id))
             client.log_model_artifacts(model.model_id, f"{tmp}/model")
     except BaseException:
         client.finalize_logged_model(model.model_id, "FAILED")
@@ -57,14 +74,32 @@ def log_model(logger, path: Path, sample: np.ndarray, step: int, register: str |
               for m in logger.last_eval.values() if m.step == step]  # a checkpoint between evaluations: none
     if linked:
         client.log_batch(run_id, metrics=linked)
-    if register:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            client.get_registered_model(register)
-        except MlflowException:
-            client.create_registered_model(register)
-        version = client.create_model_version(register, f"models:/{model.model_id}", run_id=run_id,
-                                              model_id=model.model_id)
-        client.set_registered_model_alias(register, ALIAS, version.version)
+    if register is not None:
+        add_version(client, register, model.model_id, run_id, {m.key: m.value for m in linked})
     return model.model_id
+
+
+def add_version(client, register: Registration, model_id: str, run_id: str, metrics: dict[str, float]) -> None:
+    """The model as a new version of `register.name` (created if need be); the alias BEST moves to
+    it when its `register.metric` beats the current holder's (a holder without it loses)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(register.name)
+    except MlflowException:
+        client.create_registered_model(register.name)
+    # The model's own artifact location, not `models:/<id>`: MLflow's SQL registry looks such a URI
+    # up through the process-wide tracking URI (its own TODO), which a run does not set.
+    location = client.get_logged_model(model_id).artifact_location
+    version = client.create_model_version(register.name, location, run_id=run_id, model_id=model_id)
+    if register.metric not in metrics:
+        return
+    try:
+        holder = client.get_model_version_by_alias(register.name, BEST)
+    except MlflowException:  # no version holds it yet
+        holder = None
+    # The holder's run's last value of the metric: its final model's evaluation (a version made
+    # from an artifact location does not keep its model id in MLflow's SQL registry).
+    theirs = client.get_run(holder.run_id).data.metrics.get(register.metric) if holder and holder.run_id else None
+    if register.better(metrics[register.metric], theirs):
+        client.set_registered_model_alias(register.name, BEST, version.version)

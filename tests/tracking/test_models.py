@@ -1,8 +1,9 @@
 """What a run logs beside its metrics (orchestrate.tracking.models and .datasets), read back
-through MLflow's public client from a real `mlflow server`: the trained model as a LoggedModel that loads with
-`mlflow.pyfunc` (and `mlflow models serve` answers with) and predicts the eval split with the
-accuracy the run logged, registered with the alias `latest`; the data as the run's inputs, whose
-digest tells two data sets apart; MLflow's system metrics when asked for."""
+through MLflow's public client from a real `mlflow server` (and a local SQLite store): the trained
+model as a LoggedModel that loads with `mlflow.pyfunc` (and `mlflow models serve` answers with)
+and predicts the eval split with the accuracy the run logged, registered with the alias `best` on
+the best one; each checkpoint's model; the data as the run's inputs, whose digest tells two data
+sets apart; MLflow's system metrics when asked for."""
 
 import json
 import os
@@ -100,11 +101,36 @@ def client_config():
     return load_config([])
 
 
-def test_each_final_model_is_a_new_version_with_the_alias_latest(registered):
+def test_each_final_model_is_a_new_version_and_best_goes_to_the_best_evaluation(registered):
     client, first, second, _ = registered
     versions = sorted(client.search_model_versions("name = 'digits-mlp'"), key=lambda v: int(v.version))
     assert [v.run_id for v in versions] == [first.run_id, second.run_id]
-    assert client.get_model_version_by_alias("digits-mlp", "latest").version == versions[-1].version
+    losses = [client.get_run(r.run_id).data.metrics["final/eval_loss"] for r in (first, second)]
+    assert losses[0] != losses[1]
+    best = versions[losses.index(min(losses))]  # sweep.metric eval_loss, minimize: the defaults
+    assert client.get_model_version_by_alias("digits-mlp", "best").version == best.version
+
+
+def test_registered_in_a_local_store_best_stays_with_the_better_model(make_cfg, tmp_path):
+    """The default SQLite store (where MLflow reserves the alias `latest`): a worse run's model is a
+    new version (`models:/NAME/latest`) and `best` stays where it was."""
+    import mlflow
+
+    common = ["backend=torch", "data=digits", "model.hidden=[32]", "tracking.register_model=local-mlp"]
+    good = app.train(make_cfg(*common, "optimizer.lr=0.01"), tmp_path / "good")
+    worse = app.train(make_cfg(*common, "optimizer.lr=0.00001"), tmp_path / "worse")
+    uri = make_cfg().tracking.uri
+    client = client_for(uri)
+    assert good.metrics["eval_loss"] < worse.metrics["eval_loss"]
+    assert client.get_model_version_by_alias("local-mlp", "best").run_id == good.run_id
+    assert {v.version: v.run_id for v in client.search_model_versions("name = 'local-mlp'")} == {
+        1: good.run_id, 2: worse.run_id}
+    mlflow.set_tracking_uri(uri)
+    try:
+        newest = mlflow.pyfunc.load_model("models:/local-mlp/latest")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert newest.metadata.run_id == worse.run_id
 
 
 def test_the_data_is_on_the_run_and_its_digest_tells_data_sets_apart(registered):
@@ -121,8 +147,9 @@ def test_the_data_is_on_the_run_and_its_digest_tells_data_sets_apart(registered)
 
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_with_the_same_predictions(registered, mlflow_server):
-    client, _, second, _ = registered
-    version = client.get_model_version_by_alias("digits-mlp", "latest").version
+    client = registered[0]
+    best = client.get_model_version_by_alias("digits-mlp", "best")
+    version = best.version
     port = free_port()
     # As from an activated environment: the scoring server is started as `uvicorn` from the PATH.
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server,
@@ -147,7 +174,7 @@ def test_mlflow_models_serve_answers_with_the_same_predictions(registered, mlflo
         served = json.loads(urllib.request.urlopen(request, timeout=60).read())["predictions"]
         logits = np.asarray(served["logits"] if isinstance(served, dict) else served)
         accuracy = float((logits.argmax(-1) == data.y_eval.numpy()).mean())
-        assert accuracy == pytest.approx(client.get_run(second.run_id).data.metrics["final/eval_accuracy"],
+        assert accuracy == pytest.approx(client.get_run(best.run_id).data.metrics["final/eval_accuracy"],
                                          abs=1 / len(data.y_eval))
     finally:
         serve.terminate()
