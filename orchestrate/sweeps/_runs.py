@@ -59,10 +59,12 @@ def open_trial(handover: Handover, config: DictConfig) -> str:
     name = trial_name(list(config.hydra.overrides.task), handover.command)
     if name in handover.finished:
         return handover.finished[name]
+    from mlflow.tracking.context.registry import resolve_tags  # MLflow's own: user, source, git commit
+
     run = MlflowClient(tracking_uri=handover.uri).create_run(
         handover.experiment_id, run_name=name,
-        tags={PARENT_KEY: handover.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
-              "orchestrate.role": "trial"})
+        tags=resolve_tags({PARENT_KEY: handover.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
+                           "orchestrate.role": "trial"}))
     return run.info.run_id
 
 
@@ -124,8 +126,10 @@ class Sweep:
             self.run_id = earlier[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            from mlflow.tracking.context.registry import resolve_tags  # MLflow's own: user, source, git commit
+
             self.run_id = self.client.create_run(self.experiment_id, run_name=parent_name(s.name, config),
-                                                 tags={SWEEP_KEY: key, "orchestrate.role": "sweep"}).info.run_id
+                                                 tags=resolve_tags({SWEEP_KEY: key, "orchestrate.role": "sweep"})).info.run_id
             definition = {"name": s.name, "command": [redact_override(o) for o in self.command], "sweeper": sweeper,
                           "params": {**(sweeper.get("params") or {}), "metric": s.metric}}
             for k, v in list(definition["params"].items())[:100]:

@@ -96,6 +96,7 @@ def test_a_job_gets_a_nested_child_run_and_its_environment_back(parent, monkeypa
     assert child.info.run_name == "optimizer.lr=0.5" and child.info.status == "RUNNING"
     assert child.data.tags["mlflow.parentRunId"] == handover.parent_run_id
     assert child.data.tags["orchestrate.trial_index"] == "3"
+    assert child.data.tags["mlflow.source.type"] == "LOCAL" and child.data.tags["mlflow.user"]  # the UI's Source, User
     # The job failed before the app opened its tracker: the callback closes the run as FAILED.
     cb.on_job_end(cfg, JobReturn(status=JobStatus.FAILED, _return_value=ValueError("bad lr")))
     child = client.get_run(child.info.run_id)
