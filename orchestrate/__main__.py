@@ -10,6 +10,7 @@ COMMANDS = {
     "server": "orchestrate.server",  # the team's MLflow server on PostgreSQL, artifacts served
     "doctor": "orchestrate.doctor",  # will this stack work? one line per check
     "sync": "orchestrate.sync",  # send what a run kept while its MLflow server was away
+    "slurm-ray": "orchestrate.slurm_ray",  # in an sbatch script: Ray across the allocation, then the runner on it
 }
 
 

@@ -334,6 +334,7 @@ def main() -> None:
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
     sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
+    interrupted = False
     try:
         with errors.hydra_raising():  # what Hydra would print as a traceback: one line here
             app.hydra_main()
@@ -346,6 +347,7 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C in a sweep (a single run reports its own stop: app.hydra_main)
         if not multirun:
             raise
+        interrupted = True
         print("stopped by Ctrl-C: trials still running are ended and marked KILLED; the same command continues "
               "the sweep", file=sys.stderr, flush=True)
         sys.exit(130)  # as a shell reports a process ended by SIGINT
@@ -354,9 +356,12 @@ def main() -> None:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.
-            from orchestrate.sweeps import headstart
+            from orchestrate.sweeps import headstart, slurm
             from orchestrate.sweeps.callbacks import close_open_sweeps
 
+            # A Slurm sweep's launcher stops at the first job that ended without a result: the
+            # jobs still on the cluster are waited for (cancelled after Ctrl-C) before the summary.
+            slurm.settle(cancel=interrupted)
             close_open_sweeps()
             headstart.release()  # a server started early that no sweep took (Hydra stopped first)
         # A Ray started early and never taken (Hydra stopped before the launcher or the run asked

@@ -93,6 +93,19 @@ class KillingData(Synthetic):
         return super().train_batch(position, batch_size, seed, rank, world_size)
 
 
+class SlowData(Synthetic):
+    """The synthetic data set, `delay_ms` slower for every training batch: a run that is still
+    training a known time after it started, however fast the machine is."""
+
+    def __init__(self, delay_ms: float = 100.0, **kwargs):
+        super().__init__(**kwargs)
+        self.delay_ms = delay_ms
+
+    def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        time.sleep(self.delay_ms / 1000)
+        return super().train_batch(position, batch_size, seed, rank, world_size)
+
+
 def served_twice(marker: Path) -> list[int]:
     """The batches KillingData served twice: those between the checkpoint a killed run went on
     from and the kill (a run that started over would serve every earlier one twice too). Batch 0

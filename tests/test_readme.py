@@ -9,7 +9,8 @@ Commands run from a fresh temporary folder with the installed wheel's environmen
 (`python`, `orchestrate`: the `installed_wheel` fixture), as a user who installed orchestrate would
 run them; the "Your own project" commands run in the project the README's file blocks spell out.
 Placeholders are filled in: HEAD (a Ray head on 127.0.0.1), MLFLOW_HOST:5000 (a tracking server on
-127.0.0.1), /shared (a temporary folder).
+127.0.0.1), /shared (a temporary folder). The Slurm commands (a sweep on `submitit_slurm`, the
+runner's sbatch script) run on a one-node Slurm cluster in tests/launch/test_slurm.py.
 """
 
 import importlib
@@ -236,7 +237,8 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate -m hydra/launcher=submitit_slurm hydra.launcher.partition=P hydra.launcher.account=A "
     "hydra.launcher.timeout_min=120 hydra.launcher.cpus_per_task=4 hydra.launcher.gpus_per_node=1 "
     "hydra.launcher.mem_gb=16 hydra.launcher.setup=[source .venv/bin/activate] tracking.uri=http://MLFLOW_HOST:5000 "
-    "optimizer.lr=1e-3,1e-2": Expect(skip="needs a Slurm cluster; none here"),
+    "optimizer.lr=1e-3,1e-2": Expect(
+        separate="tests/launch/test_slurm.py::test_the_readme_sweep_runs_every_trial_as_a_slurm_job"),  # a Slurm cluster
     # ---- the runner
     "python -m orchestrate backend=runner trainer.num_workers=2": Expect(
         runs=1, tags={"backend": "runner"}, metrics={"world_size": 2}),
@@ -252,6 +254,12 @@ EXPECTED: dict[str, Expect] = {
     "trainer.num_workers=2 backend.placement_strategy=SPREAD tracking.uri=http://MLFLOW_HOST:5000 "
     "backend.storage_path=/shared/ray trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/run1": Expect(
         separate="tests/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
+    # ---- the runner on a Slurm allocation: the README's sbatch script, submitted to a Slurm cluster
+    **{command: Expect(separate="tests/launch/test_slurm.py::test_the_runner_on_a_slurm_allocation") for command in (
+        "source .venv/bin/activate",
+        "python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 backend.storage_path=/shared/ray "
+        "trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/runner-$SLURM_JOB_ID",
+        "sbatch runner.sbatch")},
     # ---- GPU: this project's machines cannot install ORT training beside a GPU
     ".venv/bin/pip uninstall -y onnxruntime-training-cpu": Expect(skip="would replace the tested CPU build"),
     ".venv/bin/pip install onnxruntime-training==1.19.2": Expect(skip="GPU build: needs CUDA 11.8"),

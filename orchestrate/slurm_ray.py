@@ -1,0 +1,268 @@
+"""`orchestrate slurm-ray`: the runner on a Slurm allocation, as the body of an sbatch script.
+
+    python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 trainer.max_steps=1000
+
+Ray's own recipe for Slurm (docs.ray.io, "Deploying on Slurm"), in one command: a Ray head on the
+allocation's first node (`srun --nodes=1 --ntasks=1 -w NODE ray start --head --block`), a Ray node
+on each other node the same way, joined to it, then the training command as the driver, on the
+first node, with RAY_ADDRESS pointing at the head:
+
+    python -m orchestrate backend=runner trainer.num_workers=$SLURM_NTASKS \\
+        backend.cpus_per_worker=$SLURM_CPUS_PER_TASK OVERRIDES...
+
+one Ray Train worker per Slurm task (the OVERRIDES come last and win). Each node's Ray offers the
+CPUs of the tasks Slurm put there (tasks x cpus-per-task), so the workers land where the tasks
+were allocated; GPUs are the ones Slurm makes visible to the node's step. The cluster is the job's
+own: a fresh token (RAY_AUTH_MODE=token) guards it, and it is stopped when the command ends,
+fails or is cancelled (SIGTERM from `scancel` or the time limit). The exit code is the training
+command's (2 for bad input here: outside an allocation, Slurm's commands missing).
+
+Every wait has a limit and names what it waited for: the head's port (--timeout, 120 s), every
+node joined (the same), the Ray processes' end (60 s, then Slurm ends their steps).
+"""
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STOP_TIMEOUT_S = 60  # each `ray start --block` step's end after SIGTERM (then it is killed)
+DRIVER_STOP_TIMEOUT_S = 60  # the training command's end after SIGTERM (it marks its MLflow run KILLED)
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+class SlurmRayError(Exception):
+    """Bad input or a wait that ran out: one line, exit code 2."""
+
+
+@dataclass
+class Allocation:
+    """The job's nodes and tasks, from the variables Slurm sets in an sbatch script."""
+
+    job_id: str
+    nodes: list[str]  # the first runs the batch script, and the Ray head
+    tasks_per_node: list[int]
+    cpus_per_task: int
+
+    @classmethod
+    def from_environment(cls) -> "Allocation":
+        env = os.environ
+        if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
+            raise SlurmRayError("not inside a Slurm allocation (SLURM_JOB_ID and SLURM_JOB_NODELIST are not set): run it as the body of an "
+                                "sbatch script (the README's \"The runner on Slurm\"), or within salloc")
+        for program in ("srun", "scontrol"):
+            if shutil.which(program) is None:
+                raise SlurmRayError(f"{program}: not found on PATH (Slurm's client commands are needed)")
+        nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
+                               text=True, timeout=30, check=True).stdout.split()
+        tasks = expand_counts(env.get("SLURM_TASKS_PER_NODE", "1"))
+        if len(tasks) != len(nodes):
+            raise SlurmRayError(f"SLURM_TASKS_PER_NODE={env.get('SLURM_TASKS_PER_NODE')} does not match the "
+                                f"{len(nodes)} node(s) of SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']}")
+        return cls(env["SLURM_JOB_ID"], nodes, tasks, int(env.get("SLURM_CPUS_PER_TASK", "1")))
+
+    @property
+    def tasks(self) -> int:
+        return sum(self.tasks_per_node)
+
+
+def expand_counts(spec: str) -> list[int]:
+    """Slurm's compressed per-node counts, `2(x3),1` -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        value, _, times = part.partition("(x")
+        counts += [int(value)] * int(times.rstrip(")") or 1)
+    return counts
+
+
+def node_address(node: str) -> str:
+    """The IP address Slurm reaches `node` at (its NodeAddr, resolved), for Ray to bind and join."""
+    shown = subprocess.run(["scontrol", "show", "node", "--oneliner", node], capture_output=True, text=True,
+                           timeout=30).stdout
+    addr = next((f.split("=", 1)[1] for f in shown.split() if f.startswith("NodeAddr=")), node)
+    return socket.gethostbyname(addr)
+
+
+def free_port() -> int:
+    """A free TCP port on this machine, the allocation's first node, where the head starts."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayStep:
+    """`srun` one task on `node` with its `cpus`, running `ray start ... --block` (Ray's guide): the
+    node's Ray lives as long as the step, and Slurm ends the step with the job. Its output (Ray's
+    start-up banner, its errors) goes to `log`, beside the job's own output."""
+
+    node: str
+    proc: subprocess.Popen
+    log: Path
+
+    @classmethod
+    def start(cls, job_id: str, node: str, cpus: int, *ray_args: str, env: dict) -> "RayStep":
+        command = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}", f"--nodelist={node}", "--overlap",
+                   sys.executable, "-m", "ray.scripts.scripts", "start", "--block", f"--num-cpus={cpus}",
+                   "--disable-usage-stats", *ray_args]
+        log = Path(f"slurm-ray-{job_id}-{node}.log").resolve()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        return cls(node, proc, log)
+
+    def ended(self) -> bool:
+        return self.proc.poll() is not None
+
+    def last_line(self) -> str:
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(no output)"
+
+
+def wait_for(what: str, ready, steps: list[RayStep], timeout_s: float) -> None:
+    """Poll `ready()` every second until it holds; SlurmRayError when `timeout_s` passes or a Ray
+    step ends meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        ended = [s for s in steps if s.ended()]
+        if ended:
+            step = ended[0]
+            raise SlurmRayError(f"waiting for {what}: Ray on {step.node} exited with code {step.proc.returncode}: "
+                                f"{step.last_line()} (its output: {step.log})")
+        if time.monotonic() > deadline:
+            raise SlurmRayError(f"waited {timeout_s:g} s for {what} (Ray's output: "
+                                f"{', '.join(str(s.log) for s in steps)})")
+        time.sleep(1)
+
+
+def answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def alive_nodes(address: str) -> int:
+    """Ray nodes alive in the cluster at `address` (this process joins it as a driver for the count)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, configure_logging=False, log_to_driver=False)
+        signal.signal(signal.SIGTERM, stop_on_sigterm)  # ray.init sets its own
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[RayStep]) -> dict:
+    """The head on the first node, then a node on each other one, each waited for; returns the
+    environment that reaches the cluster (RAY_ADDRESS, the token)."""
+    head_ip = node_address(allocation.nodes[0])
+    address = f"{head_ip}:{port}"
+    env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16),
+           # Ray Train leaves a detached actor behind: its nodes would wait 30 s for it at the end.
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    if head_ip in LOOPBACK:
+        # A one-node cluster on 127.0.0.1 (tests): without this Ray swaps loopback for the machine's
+        # network address (orchestrate.ray_cluster says more).
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.update({k: env[k] for k in env if k.startswith("RAY_")})  # this process counts the nodes
+    cpus = [tasks * allocation.cpus_per_task for tasks in allocation.tasks_per_node]
+    print(f"slurm-ray: job {allocation.job_id}: Ray head on {allocation.nodes[0]} ({address}), "
+          f"{len(allocation.nodes)} node(s): " + ", ".join(f"{n} {c} CPU(s)" for n, c in zip(allocation.nodes, cpus)),
+          flush=True)
+    # The dashboard serves Ray's state API, which Ray Train's clean-up actor polls (without it, a
+    # warning every few seconds); on the head's address, behind the token.
+    steps.append(RayStep.start(allocation.job_id, allocation.nodes[0], cpus[0], "--head", f"--port={port}",
+                               f"--node-ip-address={head_ip}", "--include-dashboard=true",
+                               f"--dashboard-host={head_ip}", f"--dashboard-port={free_port()}", env=env))
+    wait_for(f"the Ray head on {allocation.nodes[0]} to answer at {address}", lambda: answers(head_ip, port),
+             steps, timeout_s)
+    for node, node_cpus in zip(allocation.nodes[1:], cpus[1:]):
+        steps.append(RayStep.start(allocation.job_id, node, node_cpus, f"--address={address}",
+                                   f"--node-ip-address={node_address(node)}", env=env))
+    wait_for(f"all {len(allocation.nodes)} node(s) to join the Ray cluster at {address}",
+             lambda: alive_nodes(address) >= len(allocation.nodes), steps, timeout_s)
+    import ray
+
+    ray.shutdown()  # this process only counted the nodes
+    return env
+
+
+def stop_ray(steps: list[RayStep]) -> None:
+    """SIGTERM to each `srun` (it hands the signal to `ray start --block`, which stops its node's
+    Ray processes), the other nodes first; SIGKILL after STOP_TIMEOUT_S (Slurm then ends the step)."""
+    for step in reversed(steps):
+        if not step.ended():
+            step.proc.send_signal(signal.SIGTERM)
+    for step in steps:
+        try:
+            step.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"slurm-ray: Ray's step on {step.node} did not end {STOP_TIMEOUT_S} s after SIGTERM: killed",
+                  flush=True)
+            step.proc.kill()
+            step.proc.wait()
+    if steps:
+        print(f"slurm-ray: Ray stopped on {len(steps)} node(s)", flush=True)
+
+
+def run_driver(command: list[str], env: dict) -> int:
+    """The training command, in the foreground; a signal to this process (scancel, the time limit)
+    is handed on to it, and it gets DRIVER_STOP_TIMEOUT_S to close its MLflow run (KILLED)."""
+    driver = subprocess.Popen(command, env=env)
+    try:
+        return driver.wait()
+    except KeyboardInterrupt:
+        driver.send_signal(signal.SIGTERM)
+        try:
+            driver.wait(timeout=DRIVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+        raise
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # scancel and the time limit send SIGTERM: stop Ray as on Ctrl-C
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="orchestrate slurm-ray", description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, help="the Ray head's port on the first node (default: a free one)")
+    p.add_argument("--timeout", type=float, default=120, help="seconds to wait for the head, and for every node")
+    p.add_argument("overrides", nargs="*", help="the training command's overrides, after `--`")
+    p.error = lambda message: fail(f"{message}; see --help")
+    return p.parse_args(argv)
+
+
+def fail(message: str) -> None:
+    print(f"error: orchestrate slurm-ray: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    steps: list[RayStep] = []
+    try:
+        allocation = Allocation.from_environment()
+        env = start_ray(allocation, args.port or free_port(), args.timeout, steps)
+        command = [sys.executable, "-m", "orchestrate", "backend=runner", f"trainer.num_workers={allocation.tasks}",
+                   f"backend.cpus_per_worker={allocation.cpus_per_task}", *args.overrides]
+        print(f"slurm-ray: python {' '.join(command[1:])}", flush=True)
+        return run_driver(command, env)
+    except SlurmRayError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print("slurm-ray: stopped by a signal: stopping Ray", file=sys.stderr, flush=True)
+        return 143
+    finally:
+        stop_ray(steps)
+        signal.signal(signal.SIGTERM, previous)

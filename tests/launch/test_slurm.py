@@ -1,0 +1,233 @@
+"""Slurm, tried for real: the session's one-node Slurm 22.05 cluster on 127.0.0.1 (`slurm_cluster`,
+tests/slurm.py; accounting off, as on most small clusters) and the session's MLflow server.
+
+- The README's `submitit_slurm` sweep, as written but for what this cluster has (partition, sizes,
+  no GPU, the server's address), run from a folder that holds `.venv` as the README's setup line
+  expects: every trial a Slurm job, the runs on the server, the summary last and readable.
+- `scancel` of a running trial: its run KILLED, the other trial FINISHED, the sweep's summary.
+- The README's sbatch script for the runner (`orchestrate slurm-ray`) on a 2-task allocation.
+
+Commands run as a user types them (the checkout's .venv python), results are read back through
+MlflowClient and Slurm's own commands. Each test's experiment is its own on the shared server.
+"""
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrate import slurm_ray
+from tests.conftest import ROOT, client_for, metric_steps
+from tests.test_readme import blocks
+
+SWEEP_TIMEOUT_S = 600
+JOB_TIMEOUT_S = 400
+# The README's sweep, on this cluster: its one partition, one CPU and 1 GB a trial, no GPU.
+ON_THIS_CLUSTER = {
+    "hydra.launcher.partition=P": "hydra.launcher.partition={partition}",
+    "hydra.launcher.timeout_min=120": "hydra.launcher.timeout_min=10",
+    "hydra.launcher.cpus_per_task=4": "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.gpus_per_node=1": "hydra.launcher.gpus_per_node=null",
+    "hydra.launcher.mem_gb=16": "hydra.launcher.mem_gb=1",
+    "tracking.uri=http://MLFLOW_HOST:5000": "tracking.uri={uri}",
+}
+QUICK = ("backend=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=20")
+
+
+def readme_sweep(partition: str, uri: str) -> list[str]:
+    """The README's submitit_slurm command with ON_THIS_CLUSTER's replacements (each must find its
+    word: the README's command keeps its shape), `python` being this checkout's."""
+    (block,) = [b for b in blocks("bash") if "hydra/launcher=submitit_slurm" in b]
+    words = shlex.split(block.replace("\\\n", " "), comments=True)  # as the shell reads it: quotes kept together
+    assert set(ON_THIS_CLUSTER) <= set(words), words
+    words = [ON_THIS_CLUSTER.get(w, w).format(partition=partition, uri=uri) for w in words]
+    assert words[0] == "python"
+    return [sys.executable, *words[1:]]
+
+
+def user_folder(tmp_path: Path) -> Path:
+    """A folder as the README's commands expect one: `.venv` in it (here, this checkout's)."""
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    return tmp_path
+
+
+def slurm_env(cluster) -> dict:
+    """The cluster's environment, tests.helpers importable by the jobs (they inherit it)."""
+    return {**cluster.env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def runs_of(uri: str, experiment: str):
+    """(client, parent runs, child runs) of `experiment` on the server."""
+    client = client_for(uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id], max_results=100) if found else []
+    parents = [r for r in runs if r.data.tags.get("orchestrate.role") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_the_readme_sweep_runs_every_trial_as_a_slurm_job(slurm_cluster, mlflow_server, tmp_path):
+    folder = user_folder(tmp_path)
+    command = [*readme_sweep(slurm_cluster.partition, mlflow_server), *QUICK, "tracking.experiment=slurm_sweep"]
+    done = subprocess.run(command, cwd=folder, env=slurm_env(slurm_cluster), capture_output=True, text=True,
+                          timeout=SWEEP_TIMEOUT_S)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-4000:]
+
+    client, (parent,), children = runs_of(mlflow_server, "slurm_sweep")
+    # No sweep file named: the parent is named after what the sweep varies.
+    assert (parent.info.run_name, parent.info.status) == ("sweep-optimizer.lr", "FINISHED")
+    assert sorted((c.info.run_name, c.info.status) for c in children) == [
+        ("optimizer.lr=0.001", "FINISHED"), ("optimizer.lr=0.01", "FINISHED")]
+    assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
+    # Each trial ran as a Slurm job: submitit's folder holds one result per job, and its output.
+    (sweep_dir,) = (folder / "multirun").glob("*/*")
+    results = sorted(p.parent.name for p in sweep_dir.glob(".submitit/*/*_result.pkl"))
+    assert len(results) == 2 and all(re.fullmatch(r"\d+_[01]", r) for r in results), results
+    job_states = {slurm_cluster.job_state(r) for r in results}
+    assert job_states == {"COMPLETED"}
+
+    # The summary is readable and last: no sacct or submitit notes on the console (they are in the
+    # sweep's submitit.log), and the closing hint is the server's own URL.
+    summary = printed.index(f"sweep summary (MLflow parent run {parent.info.run_id}")
+    assert "| optimizer.lr=0.01 | FINISHED |" in printed[summary:]
+    for noise in ("sacct", "accounting", "Bypassing", "submitit WARNING"):
+        assert noise not in printed, printed
+    assert "Slurm accounting storage is disabled" in (sweep_dir / "submitit.log").read_text()
+    assert done.stdout.rstrip().splitlines()[-1] == f"open the UI at     {mlflow_server}"
+    assert "--backend-store-uri http" not in printed
+
+
+# A trial is still training ~40 s after it started (400 batches, each 100 ms slower): the launcher
+# notices the cancelled one (a poll, then submitit's 15 s wait for its result) while it runs.
+SLOW = ("backend=torch", "data._target_=tests.helpers.SlowData", "+data.delay_ms=100", "trainer=quick",
+        "trainer.max_steps=400", "trainer.evaluation_period=100", "trainer.checkpoint_period=100")
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_scancel_of_a_running_trial_kills_its_run_and_the_sweep_goes_on(slurm_cluster, mlflow_server, tmp_path):
+    folder = user_folder(tmp_path)
+    command = [*readme_sweep(slurm_cluster.partition, mlflow_server), *SLOW, "tracking.experiment=slurm_scancel"]
+    sweep = subprocess.Popen(command, cwd=folder, env=slurm_env(slurm_cluster), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        # Trial 0 (array task 0) is cancelled once it has logged a loss, while trial 1 runs too.
+        trial_0 = wait_until_training(slurm_cluster, mlflow_server, "slurm_scancel", "optimizer.lr=0.001")
+        array = trial_0.split("_")[0]
+        assert {slurm_cluster.job_state(f"{array}_{i}") for i in (0, 1)} == {"RUNNING"}
+        slurm_cluster.run("scancel", trial_0)
+        printed, _ = sweep.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        sweep.kill()
+    # Decided: a trial that did not finish makes the sweep exit 1, as a failed trial does.
+    assert sweep.returncode == 1, printed[-4000:]
+
+    client, (parent,), children = runs_of(mlflow_server, "slurm_scancel")
+    status = {c.info.run_name: c for c in children}
+    killed, finished = status["optimizer.lr=0.001"], status["optimizer.lr=0.01"]
+    assert (killed.info.status, killed.data.tags["error"]) == ("KILLED", "interrupted (SIGTERM)")
+    assert metric_steps(client, killed.info.run_id, "train/loss")  # it was training when cancelled
+    assert finished.info.status == "FINISHED" and finished.data.metrics["final/train_loss"] > 0
+    assert [s for s, _ in metric_steps(client, finished.info.run_id, "train/loss")][-1] == 400
+    assert parent.info.status == "FAILED"
+    assert (slurm_cluster.job_state(trial_0), slurm_cluster.job_state(f"{array}_1")) == ("CANCELLED", "COMPLETED")
+
+    # The sweep waited for the job still running, then summarized both, last.
+    assert f"waiting for the sweep's 1 Slurm job(s) still on the cluster ({array}_1)" in printed
+    summary = printed[printed.index("sweep summary (MLflow parent run"):]
+    assert re.search(r"\| optimizer\.lr=0\.001 \| KILLED \|.*interrupted \(SIGTERM\)", summary), summary
+    assert "| optimizer.lr=0.01 | FINISHED |" in summary
+    assert summary.rstrip().splitlines()[-1] == f"open the UI at     {mlflow_server}"
+
+
+def wait_until_training(cluster, uri: str, experiment: str, trial: str, timeout_s: float = 300) -> str:
+    """The Slurm job id of the sweep's array task running `trial` (trial index = array index), once
+    its MLflow run has logged a training loss."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client, _, children = runs_of(uri, experiment)
+        run = next((c for c in children if c.info.run_name == trial), None)
+        if run is not None and metric_steps(client, run.info.run_id, "train/loss"):
+            index = run.data.tags["orchestrate.trial_index"]
+            jobs = cluster.run("squeue", "--noheader", "--array", "--format=%i").split()
+            (job,) = [j for j in jobs if j.endswith(f"_{index}")]
+            return job
+        time.sleep(1)
+    raise AssertionError(f"trial {trial} logged no training loss within {timeout_s} s")
+
+
+# ---- the runner on a Slurm allocation --------------------------------------------------------------
+
+def readme_sbatch_script() -> str:
+    """The README's runner.sbatch, as a user saves it."""
+    (script,) = [b for b in blocks("bash") if "# runner.sbatch" in b]
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path):
+    folder = user_folder(tmp_path)
+    script = readme_sbatch_script()
+    assert script.rstrip().splitlines()[-1].strip().startswith("trainer.checkpoint_period=100")
+    # The README's placeholders, and a short run (appended: the overrides after it win).
+    script = (script.replace("MLFLOW_HOST:5000", mlflow_server.removeprefix("http://"))
+              .replace("/shared", str(folder / "shared")).rstrip()
+              + " tracking.experiment=slurm_runner data=synthetic trainer=quick trainer.max_steps=60"
+                " trainer.display_loss_steps=5\n")
+    (folder / "runner.sbatch").write_text(script)
+    # The README's `sbatch runner.sbatch`, sized for this one node: two tasks of one CPU.
+    job = slurm_cluster.run("sbatch", "--parsable", f"--partition={slurm_cluster.partition}", "--nodes=1",
+                            "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "runner.sbatch",
+                            cwd=folder).strip()
+    slurm_cluster.wait_for(f"job {job} to end", lambda: slurm_cluster.job_state(job) not in
+                           ("PENDING", "RUNNING", "COMPLETING"), JOB_TIMEOUT_S)
+    output = (folder / f"slurm-{job}.out").read_text()
+    assert slurm_cluster.job_state(job) == "COMPLETED", output[-4000:]
+
+    head = re.search(rf"slurm-ray: job {job}: Ray head on {slurm_cluster.node} \(([\d.]+):(\d+)\), 1 node\(s\): "
+                     rf"{slurm_cluster.node} 2 CPU\(s\)", output)
+    assert head, output[:3000]
+    assert "slurm-ray: python -m orchestrate backend=runner trainer.num_workers=2 backend.cpus_per_worker=1 " in output
+    assert "slurm-ray: Ray stopped on 1 node(s)" in output
+    host, port = head.group(1), int(head.group(2))
+    with pytest.raises(OSError):  # the job's Ray is gone with it
+        socket.create_connection((host, port), timeout=2).close()
+
+    client, _, _ = runs_of(mlflow_server, "slurm_runner")
+    (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert (run.data.tags["backend"], run.data.metrics["world_size"]) == ("runner", 2)
+    assert {"worker.0", "worker.1"} <= set(run.data.tags)
+    losses = [v for _, v in metric_steps(client, run.info.run_id, "train/loss")]
+    assert len(losses) >= 10 and losses[-1] < losses[0], losses
+    assert f"MLflow run         {run.info.run_id}" in output
+    assert (folder / "shared" / "outputs" / f"runner-{job}").is_dir()  # hydra.run.dir, $SLURM_JOB_ID expanded
+
+
+# ---- bad input: no cluster needed ----------------------------------------------------------------
+
+def test_slurm_ray_outside_an_allocation_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrate", "slurm-ray", "--", "trainer.max_steps=5"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - began < 10
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: orchestrate slurm-ray: not inside a Slurm allocation")
+    assert len(done.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_slurm_per_node_counts_are_expanded():
+    assert slurm_ray.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert slurm_ray.expand_counts("4") == [4]
