@@ -7,7 +7,8 @@ largest speed lever on a small machine: on 2 cores one intra-op thread ran the o
 
 How loud ORT is (`backend.log_level`) is set here too: ORTModule's banner, the C++ logger's lines,
 the torch.onnx exporter's warnings and the import warnings ORT triggers (DeepSpeed missing) reach
-the console only from that level up; below it they go to the run's log file alone (`quiet`).
+the console only from that level up; below it they go to the run's log file alone (`quiet`; for
+an export on its own, `exporting`; for ORT's first import, `load`).
 """
 
 import contextlib
@@ -19,6 +20,8 @@ import os
 import re
 import sys
 import tempfile
+import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,10 +75,8 @@ def quiet(log_level: str) -> None:
     and ORT's default C++ logger gets the level's severity (its lines cannot be routed to the log
     file: below the level they are not printed at all)."""
     logging.captureWarnings(True)
+    load()  # what its first import prints ("No CUDA runtime is found"): into the log
     with stderr_logged():
-        # Its first import prints (torch's cpp_extension: "No CUDA runtime is found"): into the log.
-        importlib.import_module("onnxruntime")
-
         # After the import: ORT's tools call logging.basicConfig, a console handler where there was none.
         for handler in console_handlers():
             for old in [f for f in handler.filters if isinstance(f, HideOrtOutput)]:
@@ -112,17 +113,27 @@ ALWAYS_SHOWN = ("Fallback to PyTorch",)  # ORTModule's warning when it hands the
 
 
 ORT_LOGGERS = ("orttraining", "onnxruntime")  # ORTModule's logger (".rank-N" on the runner), stderr_logged's
+# Where `exporting` logs the exporter's warnings. Not under "torch": torch's logging owns that
+# tree (its own stderr handler, nothing passed on to the root logger's handlers: no log file).
+EXPORTER_LOGGER = "orchestrate.export"
+# Warnings the exporter's tracer raises with the model's line as their place (where the model
+# turns a tensor into a Python number or a shape into a constant): the exporter's, wherever raised.
+EXPORTER_WARNINGS = ("TracerWarning",)
+# A captured warning's message: "<file>:<line>: <Category>: <text>" (warnings.formatwarning).
+_WARNING_LINE = re.compile(r"^.*?:\d+: (\w+): ")
 
 
 def from_ort(record: logging.LogRecord) -> bool:
-    """ORT's output: its loggers' records, records logged from ORT's Python code (the on-device
-    API's artifact builder logs to the root logger), and Python warnings raised in ORT or in the
-    torch.onnx exporter that ORT drives."""
-    if record.name.split(".")[0] in ORT_LOGGERS:
+    """ORT's output: its loggers' records and the exporter's, records logged from ORT's Python code
+    (the on-device API's artifact builder logs to the root logger), and Python warnings raised in
+    ORT or in the torch.onnx exporter that ORT drives (the tracer's too, raised at the model's line)."""
+    if record.name.split(".")[0] in ORT_LOGGERS or record.name == EXPORTER_LOGGER:
         return True
-    # A captured warning's message starts with the file that raised it: "<file>:<line>: <Category>: ..."
-    where = record.getMessage() if record.name == "py.warnings" else record.pathname
-    return where.startswith(_ort_sources())
+    if record.name == "py.warnings":
+        message = record.getMessage()
+        found = _WARNING_LINE.match(message)
+        return message.startswith(_ort_sources()) or (found is not None and found.group(1) in EXPORTER_WARNINGS)
+    return record.pathname.startswith(_ort_sources())
 
 
 @functools.cache
@@ -159,22 +170,75 @@ _C_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": l
 
 
 def load():
-    """onnxruntime, imported once with what its import prints sent to the log: onnxruntime-training
-    imports torch's C++ extension helpers, which print "No CUDA runtime is found" to stderr on a
-    machine with a CUDA toolkit and no GPU (every run's console, every sweep trial's, otherwise)."""
+    """onnxruntime, imported once with what its import prints sent to the log file only:
+    onnxruntime-training imports torch's C++ extension helpers, which print "No CUDA runtime is
+    found" to stderr on a machine with a CUDA toolkit and no GPU (every run's console, every sweep
+    trial's and every runner worker's, otherwise). The run's backend is not known yet when a job
+    is built, so the console gets what the import prints from the default `backend.log_level`
+    (ERROR) up. On the runner's workers Ray Train's print() goes to logging as it is called:
+    those records are this thread's meanwhile, and kept off the console too."""
     if "onnxruntime" not in sys.modules:
-        with stderr_logged():
+        with off_console(), stderr_logged(console_from="ERROR"):  # ORT's import adds a console handler
             importlib.import_module("onnxruntime")
     return sys.modules["onnxruntime"]
 
 
 @contextlib.contextmanager
-def stderr_logged(name: str = "onnxruntime") -> Iterator[None]:
+def off_console(log_level: str = "ERROR") -> Iterator[None]:
+    """Meanwhile, what this thread logs below `log_level` (a LEVELS name) reaches the handlers
+    that write files and not the console's (`console_handlers`); other threads' records are left
+    alone. The console handlers get their filters back on the way out."""
+    hide = _ThisThreadBelow(LEVELS[log_level])
+    handlers = console_handlers()
+    for handler in handlers:
+        handler.addFilter(hide)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hide)
+
+
+class _ThisThreadBelow(logging.Filter):
+    """Hides the records of the thread that made it below `threshold`; lets the rest through."""
+
+    def __init__(self, threshold: int):
+        super().__init__()
+        self.threshold, self.thread = threshold, threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.threshold or record.thread != self.thread
+
+
+@contextlib.contextmanager
+def exporting(log_level: str = "ERROR") -> Iterator[None]:
+    """Around a torch.onnx export: the Python warnings it raises (the tracer's TracerWarning where
+    the model turns a tensor into a Python number, the exporter's FutureWarning about `training`)
+    are logged to the `orchestrate.export` logger instead of printed: the run's log file has them, the
+    console from `log_level` (the backend's `log_level`, a LEVELS name) up. Python's warning
+    filters still decide which are raised at all (an "error" filter still raises, "ignore" still
+    drops), and are as they were afterwards."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield
+    finally:
+        logger = logging.getLogger(EXPORTER_LOGGER)
+        with off_console(log_level):
+            for w in caught:
+                text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line).rstrip()
+                logger.handle(logger.makeRecord(EXPORTER_LOGGER, logging.WARNING, w.filename, w.lineno, text,
+                                                None, None))
+
+
+@contextlib.contextmanager
+def stderr_logged(name: str = "onnxruntime", console_from: str | None = None) -> Iterator[None]:
     """What is written to file descriptor 2 meanwhile (ORT's C++ logger, which some ORT calls run
     at INFO whatever the settings say: the on-device API's artifact builder; and prints from the
     imports ORT triggers) goes to the logger `name` instead: one record per line, at the line's
     ORT severity (WARNING for a line without one), whatever the logger's level. The console
-    shows them from `backend.log_level` up (HideOrtOutput), the log file all of them."""
+    shows them from `backend.log_level` up (HideOrtOutput), the log file all of them; with
+    `console_from` (a LEVELS name), from that level up, whatever console handlers there are by then."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -192,9 +256,10 @@ def stderr_logged(name: str = "onnxruntime") -> Iterator[None]:
             os.close(saved)
             captured.seek(0)
             logger = logging.getLogger(name)
-            for line in captured.read().decode(errors="replace").splitlines():
-                if line.strip():
-                    found = _C_LINE.search(line)
-                    level = (_C_LEVELS[found.group(1)] if found else
-                             logging.INFO if line.startswith(_NOTICES) else logging.WARNING)
-                    logger.handle(logger.makeRecord(name, level, __file__, 0, line, None, None))
+            with off_console(console_from) if console_from else contextlib.nullcontext():
+                for line in captured.read().decode(errors="replace").splitlines():
+                    if line.strip():
+                        found = _C_LINE.search(line)
+                        level = (_C_LEVELS[found.group(1)] if found else
+                                 logging.INFO if line.startswith(_NOTICES) else logging.WARNING)
+                        logger.handle(logger.makeRecord(name, level, __file__, 0, line, None, None))

@@ -9,14 +9,21 @@ Two Ray behaviours shape `init` (Ray 2.60, measured here):
   with it every port Ray opens is bound to 127.0.0.1.
 `ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined.
 
+Two things Ray prints say nothing to act on, and stay off the console: lines its own processes
+print that `RAY_NOISE` names (they stay in those processes' log files, in the session's
+/tmp/ray/session_*/logs), and the warning that a new local instance turned token authentication
+on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chosen silently).
+
 This module imports nothing else of orchestrate (the Hydra launcher plugin uses it), so its errors
 are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and
 `PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
+import importlib
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -52,6 +59,13 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     local = address is None or address.split("://")[-1].split(":")[0] in LOOPBACK
     if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is None and "ray" not in sys.modules:
+        # A new local instance turns token authentication on when the mode is not named, and logs
+        # a warning saying so on every start (Ray 2.60); named, the same mode starts silently.
+        # Ray sets the variable itself when it chooses (the process keeps it either way); set
+        # after `import ray` it would disagree with what Ray read at its import.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    _quiet_import()
     import ray
 
     if ray.is_initialized():
@@ -76,6 +90,35 @@ def _start(address: str | None, key: str, **local_options) -> bool:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                              "auto, or the address of a running cluster") from None
     return True
+
+
+# Lines Ray relays from its own processes to this driver's console that say nothing to act on;
+# they stay in Ray's log files of those processes (worker-*.err in the session's logs folder).
+RAY_NOISE = (
+    # Ray Train's PlacementGroupCleaner asks Ray's State API every second whether the run's
+    # controller still lives; the State API is served by the dashboard, which `init` does not
+    # start (include_dashboard=False), so every ask fails and says so: once a second, all run long.
+    r"Failed to query Ray Train Controller actor state",
+)
+
+
+def _quiet_import() -> None:
+    """Import ray with RAY_NOISE left out of the worker output its driver prints: Ray's log
+    deduplicator skips lines that match RAY_DEDUP_LOGS_SKIP_REGEX (Ray's "Configuring Logging"
+    guide), which it reads once, when it is imported. The variable is put back right after; a
+    pattern of the user's is kept beside ours. Not when ray is imported already, or when log
+    deduplication is off (RAY_DEDUP_LOGS=0: every line is printed as it comes)."""
+    if "ray" in sys.modules:
+        return
+    before = os.environ.get("RAY_DEDUP_LOGS_SKIP_REGEX")
+    os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = "|".join([*RAY_NOISE, *([f"(?:{before})"] if before else [])])
+    try:
+        importlib.import_module("ray")
+    finally:
+        if before is None:
+            os.environ.pop("RAY_DEDUP_LOGS_SKIP_REGEX", None)
+        else:
+            os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = before
 
 
 class _EarlyStart:

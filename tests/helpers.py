@@ -4,6 +4,7 @@ are slow or wrong on purpose (backend=auto must not choose them), and a real mul
 on 127.0.0.1."""
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -293,3 +294,12 @@ def exit_code(monkeypatch, *argv: str) -> int:
     with pytest.raises(SystemExit) as exit_:
         main()
     return exit_.value.code
+
+
+@functools.cache
+def prints_no_cuda_notice() -> bool:
+    """Whether torch prints "No CUDA runtime is found" on this machine when ORT imports torch's C++
+    extension helpers (a CUDA toolkit and no GPU): only then is there a line to find in a log."""
+    done = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True,
+                          timeout=300)
+    return "No CUDA runtime is found" in done.stdout + done.stderr

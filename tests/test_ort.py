@@ -12,8 +12,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from orchestrate import ort, process
+from orchestrate.backends.torch import export_for_training, export_onnx
+from tests.helpers import prints_no_cuda_notice
 
 
 @pytest.fixture
@@ -61,6 +64,51 @@ def test_ort_output_goes_to_the_log_file_and_to_the_console_from_the_level_up(co
         assert what in shown
     assert "loud GraphTransformer" not in shown  # an INFO line
     assert "loud GraphTransformer" in logged
+
+
+class Rescaled(torch.nn.Module):
+    """A model whose forward turns a tensor into a Python number, as the character transformer
+    does with its attention scale: torch's tracer warns (TracerWarning) on every export."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) / float(x.abs().max())
+
+
+def test_an_exports_warnings_go_to_the_log_file_and_to_the_console_from_the_level_up(console_and_file, tmp_path):
+    console, log_file = console_and_file
+    filters, handlers = list(warnings.filters), {h: list(h.filters) for h in ort.console_handlers()}
+    model, sample = Rescaled(), torch.ones(3, 4)
+    export_onnx(model, sample, tmp_path / "quiet.onnx")  # model.onnx at a checkpoint and at the end
+    export_for_training(model, sample, opset=17)  # ORTModule's check and the on-device artifacts
+    shown, logged = console.getvalue(), log_file.read_text()
+    assert "Warning" not in shown, shown
+    assert "TracerWarning: Converting a tensor to a Python float" in logged
+    assert "FutureWarning: Setting `training` to something other than default is deprecated" in logged
+    export_onnx(model, sample, tmp_path / "loud.onnx", log_level="WARNING")  # backend.log_level=WARNING
+    assert "TracerWarning" in console.getvalue()
+    # Python's warning filters and the console's filters are as they were.
+    assert warnings.filters == filters
+    assert {h: list(h.filters) for h in ort.console_handlers()} == handlers
+
+
+@pytest.mark.slow
+def test_what_orts_first_import_prints_goes_to_the_log_file(tmp_path):
+    """torch's "No CUDA runtime is found" (on a machine with a CUDA toolkit and no GPU), printed
+    while ORT is imported: where a job is built before its backend has set anything (a sweep
+    trial's process, a runner worker), with a console and a log file as Hydra's job logging has."""
+    code = ("import logging, sys; root = logging.getLogger(); root.setLevel(logging.INFO); "
+            "root.addHandler(logging.StreamHandler(sys.stderr)); "
+            f"root.addHandler(logging.FileHandler({str(tmp_path / 'run.log')!r})); "
+            "from orchestrate import ort; ort.load(); print('imported', flush=True)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "imported\n", done.stderr[-3000:]
+    assert done.stderr == ""
+    if prints_no_cuda_notice():
+        assert "No CUDA runtime is found" in (tmp_path / "run.log").read_text()
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -111,3 +159,13 @@ def test_ondevice_is_quiet_by_default(tmp_path):
     logged = full_log(stdout).read_text()
     for what in ("GraphTransformer", "Saved training model", "FutureWarning"):
         assert what in logged
+
+
+@pytest.mark.slow
+def test_the_exporters_tracer_warning_goes_to_the_log_file(tmp_path):
+    """The README's character transformer on PyTorch: torch's tracer warns while model.onnx is
+    exported (the attention scale is a Python number); the run's log file has it, the console not."""
+    printed, stdout = short_run(tmp_path, "torch", "model=char_transformer", "data=python_source",
+                                "trainer.batch_size=16")
+    assert [m for m in ORT_MARKERS if m in printed] == [], printed
+    assert "TracerWarning" in full_log(stdout).read_text()

@@ -250,7 +250,7 @@ class OnDeviceBackend(Backend):
             logits = model(sample).shape  # declared in the eval graph, as torch's export declares it
         # The export's BatchNorm statistics (updated by its traced forward) are put back in the
         # initializers too: the artifacts start from the model as built.
-        exported, buffers = export_for_training(model, sample, self.opset)
+        exported, buffers = export_for_training(model, sample, self.opset, self.log_level)
         onnx_model = onnx.load_from_string(exported)
         for tensor in onnx_model.graph.initializer:
             if tensor.name in buffers:

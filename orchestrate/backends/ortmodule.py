@@ -152,7 +152,7 @@ class ORTModuleBackend(TorchBackend):
         key = (model_key(job.cfg), opset)
         if key not in _EXPORTS:
             try:
-                export_for_training(job.model, job.data.sample_input(), opset)
+                export_for_training(job.model, job.data.sample_input(), opset, self.log_level)
                 _EXPORTS[key] = None
             except Exception as e:  # noqa: BLE001 - whatever the exporter says is the reason
                 _EXPORTS[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, losses
+from orchestrate import checkpoints, losses, ort
 from orchestrate.backends.base import Backend
 from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
 
@@ -73,7 +73,7 @@ class TorchBackend(Backend):
         model.train()
 
         def export(path: Path) -> None:  # the model as ONNX for inference: at checkpoints and at the end
-            export_onnx(plain, job.data.sample_input().to(device), path)
+            export_onnx(plain, job.data.sample_input().to(device), path, log_level=getattr(self, "log_level", "ERROR"))
 
         for step in meter.steps(start=done + 1):
             self.seed_step(step, job)
@@ -160,17 +160,19 @@ def evaluate(model: torch.nn.Module, job) -> tuple[float, float | None]:
     return loss_sum / total, (acc_sum / total if loss.accuracy is not None else None)
 
 
-def export_for_training(model: torch.nn.Module, sample: torch.Tensor, opset: int) -> tuple[bytes, dict]:
+def export_for_training(model: torch.nn.Module, sample: torch.Tensor, opset: int,
+                        log_level: str = "ERROR") -> tuple[bytes, dict]:
     """The model as ORT's training paths export it (training mode, no constant folding, input
     `input`, output `logits`, a dynamic batch): the ONNX bytes, and the model's buffers as they were
     before. The exporter traces one training-mode forward: BatchNorm updates its running statistics
-    from it and Dropout draws from torch's RNG; both are put back (the model stays as built)."""
+    from it and Dropout draws from torch's RNG; both are put back (the model stays as built). The
+    exporter's warnings go to the log, the console from `log_level` up (`ort.exporting`)."""
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     was_training = model.training
     model.train()
     out = io.BytesIO()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), ort.exporting(log_level):
             torch.onnx.export(model, (sample,), out, input_names=["input"], output_names=["logits"],
                               dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
                               training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
@@ -183,18 +185,22 @@ def export_for_training(model: torch.nn.Module, sample: torch.Tensor, opset: int
     return out.getvalue(), buffers
 
 
-def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset: int = 17) -> None:
+def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset: int = 17,
+                log_level: str = "ERROR") -> None:
     """Export for inference with a dynamic batch dimension, input `input`, output `logits`, whose
-    shapes the graph declares as the model gives them (`declare_shape`)."""
+    shapes the graph declares as the model gives them (`declare_shape`). The exporter's warnings
+    (the tracer's TracerWarning on the character transformer) go to the run's log file, and to the
+    console from `log_level` (the backend's, a LEVELS name) up: `ort.exporting`."""
     import onnx
 
     was_training = model.training
     model.eval()
     with torch.no_grad():
         logits = model(sample)
-    torch.onnx.export(model, (sample,), str(path), input_names=["input"], output_names=["logits"],
-                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
-                      training=torch.onnx.TrainingMode.EVAL, export_params=True)
+    with ort.exporting(log_level):
+        torch.onnx.export(model, (sample,), str(path), input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
+                          training=torch.onnx.TrainingMode.EVAL, export_params=True)
     model.train(was_training)
     exported = onnx.load(str(path))
     declare_shape(exported.graph.input[0], sample.shape)

@@ -6,18 +6,22 @@ the session's Ray); the other engines, accumulation, faults and the cluster are 
 Tolerances on the final weights: 1e-5 absolute for the plain PyTorch and the on-device engines
 (the sums are only reordered), 1e-4 for ORTModule (ORT's kernels sum differently)."""
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from orchestrate import app, checkpoints, schema
+from orchestrate import app, checkpoints, ray_cluster, schema
+from orchestrate.backends.runner import driver
 from orchestrate.config import load_config
 from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, metric_steps
-from tests.helpers import alive_nodes, loopback_cluster, served_twice
+from tests.helpers import alive_nodes, loopback_cluster, prints_no_cuda_notice, served_twice
 
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
           "trainer.evaluation_period=0", "trainer.checkpoint_period=0", "optimizer=sgd", "optimizer.lr=0.1"]
@@ -165,6 +169,54 @@ def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_pat
         ray.kill(busy)
     client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
     assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []  # no run opened
+
+
+# What Ray and Ray Train printed on the runner's console before they were kept off it: Ray's token
+# banner, the controller's INFO lines, the preemption watcher's error line, a worker's INFO lines,
+# the placement group cleaner's warning (once a second, all run long).
+RAY_LINES = ("Token authentication", "Requesting resources", "Attempting to start training worker group",
+             "Started training worker group", "PreemptionWatcher", "Setting up process group",
+             "Checkpoint successfully created", "Failed to query Ray Train Controller actor state")
+
+
+@pytest.mark.slow
+def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest(tmp_path, tmp_path_factory):
+    """The README's runner command on the on-device engine, typed as a user types it (a local
+    Ray of its own): the console has rank 0's lines and the summary, none of RAY_LINES and not
+    torch's "No CUDA runtime is found"; the worker's log has Ray Train's checkpoint lines and the
+    notice (where this machine prints it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))}
+    done = subprocess.run([sys.executable, "-m", "orchestrate", "backend=runner", "backend.engine=ondevice",
+                           "trainer=quick", "data=synthetic"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-4000:]
+    assert [line for line in RAY_LINES if line in printed] == [], printed[-4000:]
+    assert "No CUDA runtime" not in printed
+    assert "[runner/ondevice] step 30: eval loss" in printed and "backend runner: 30 steps" in printed
+    logged = (Path(re.search(r"^  outputs +(\S+)$", done.stdout, re.MULTILINE).group(1)) / "worker_0.log").read_text()
+    assert logged.count("Checkpoint successfully created") >= 2  # steps 15 and 30 (and the summary's report)
+    if prints_no_cuda_notice():
+        assert "No CUDA runtime is found" in logged
+
+
+def test_ray_trains_preemption_watcher_is_off_on_the_local_ray_only_while_the_run_trains(monkeypatch):
+    """Nothing on a local instance is drained by an autoscaler; a joined cluster keeps the
+    watcher, and a value of the user's is kept."""
+    name = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ray_cluster, "can_grow", lambda: False)  # the local Ray `init` started
+    with driver.train_environment():
+        assert os.environ[name] == "0"
+    assert name not in os.environ
+    monkeypatch.setattr(ray_cluster, "can_grow", lambda: True)  # a cluster that was joined
+    with driver.train_environment():
+        assert name not in os.environ
+    monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(ray_cluster, "can_grow", lambda: False)
+    with driver.train_environment():
+        assert os.environ[name] == "1"
+    assert os.environ[name] == "1"
 
 
 @pytest.mark.parametrize("overrides,message", [

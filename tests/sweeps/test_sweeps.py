@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, metric_steps, sweep_runs as runs_of
+from tests.helpers import prints_no_cuda_notice
 
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
 SMALL = ["-m", "backend=torch", "optimizer.lr=0.001,0.01", *QUICK]
@@ -101,6 +102,21 @@ def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
     assert shutil.which(shlex.split(last[len("open the UI with   "):])[0])  # runnable as printed
     # Only the summary says where to look, and never at the sweep's own server (gone by then).
     assert out.count("open the UI with") == 1 and "View run" not in out
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_what_a_trials_import_of_ort_prints_goes_to_its_log_not_the_console(launcher, small_sweep):
+    """torch's "No CUDA runtime is found" (a CUDA toolkit and no GPU), printed while a trial's
+    process imports ORT: not on the sweep's console, nor in what submitit keeps of a trial's
+    console; in the trial's own log (Hydra's job log) where the trial imported ORT itself."""
+    cwd, done = small_sweep(launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    consoles = [done.stdout, done.stderr, *(p.read_text() for p in cwd.glob("multirun/*/*/.submitit/*/*_log.*"))]
+    assert not [c for c in consoles if "No CUDA runtime" in c], consoles
+    if prints_no_cuda_notice() and launcher != "basic":  # basic: the command's process imported ORT for the checks
+        logs = [p.read_text() for p in cwd.glob("multirun/*/*/*/app.log")]
+        # submitit: a process per trial; Ray: a worker per concurrent trial (one may run both).
+        assert (all if launcher == "submitit_local" else any)("No CUDA runtime is found" in log for log in logs)
 
 
 def test_an_in_process_sweep_leaves_the_environment_as_it_was(small_sweep):

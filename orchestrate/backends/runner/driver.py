@@ -79,6 +79,25 @@ def ray_environment() -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
+@contextlib.contextmanager
+def train_environment() -> Iterator[None]:
+    """Settings Ray Train's controller takes from the driver's environment when `fit` starts it
+    (Ray Train hands a fixed list of its variables on), put back afterwards. On the local Ray
+    started here (`ray_cluster.can_grow` is False) there is no preemption watcher: it polls for
+    nodes that an autoscaler or a cloud is draining, which this instance does not have, and its
+    start prints a `core_worker.cc` error line about the watcher's own restart settings on every
+    run. A value of the user's is left as it is."""
+    name = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    before = os.environ.get(name)
+    if before is None and not ray_cluster.can_grow():
+        os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+
+
 def remember_engine(name: str, node: dict) -> None:
     """A worker gets the engine's config from the driver: no second composition there."""
     _ENGINES[name] = node
@@ -226,7 +245,7 @@ class RunnerBackend(Backend):
             return
 
         import ray
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
         from orchestrate.backends.runner.worker import SUMMARY_FILE, worker_loop
@@ -251,7 +270,13 @@ class RunnerBackend(Backend):
                 name=f"runner-{run_id or 'untracked'}",
                 storage_path=self.storage_path or str((job.out_dir / "ray").resolve()),
                 failure_config=FailureConfig(max_failures=self.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1)))
+                checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1),
+                # Ray Train's own INFO lines (the controller's "Requesting resources" and "Started
+                # training worker group", a worker's "Setting up process group" and "Checkpoint
+                # successfully created" at every checkpoint) stay in its log files (Ray's session
+                # logs, logs/train/ray-train-sys-*.log; from the loop's start, the workers' logs too:
+                # worker.log_to_file); its warnings and errors still reach the console.
+                logging_config=LoggingConfig(log_level="WARNING")))
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
         # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
@@ -260,7 +285,8 @@ class RunnerBackend(Backend):
         controllers: list = []
         trainer._register_sigint_handler = controllers.append  # handed the controller actor
         try:
-            result = trainer.fit()
+            with train_environment():
+                result = trainer.fit()
         except KeyboardInterrupt as e:
             for controller in controllers:
                 abort(controller)

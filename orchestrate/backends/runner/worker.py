@@ -94,7 +94,9 @@ def worker_loop(config: dict) -> None:
 def log_to_file(path: Path) -> None:
     """This worker's logging also goes to `path` (created at the first record) when the run's output
     folder is on this node: what the engine keeps off the console (ORT's output below
-    `backend.log_level`) is kept there, as Hydra's job log keeps the driver's."""
+    `backend.log_level`) is kept there, as Hydra's job log keeps the driver's; so is what Ray Train
+    logs on this worker from here on (its `ray.train` logger does not pass records on to the root
+    logger, and the driver's LoggingConfig keeps its INFO lines off the console)."""
     if not path.parent.is_dir():
         return
     root = logging.getLogger()
@@ -102,9 +104,16 @@ def log_to_file(path: Path) -> None:
         console = logging.StreamHandler()
         console.setLevel(logging.WARNING)
         root.addHandler(console)
+    form = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     handler = logging.FileHandler(path, delay=True)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setFormatter(form)
     root.addHandler(handler)
+    train = logging.getLogger("ray.train")
+    if not train.propagate:  # Ray Train's logger, DEBUG and up to its own files: INFO and up here
+        beside = logging.FileHandler(path, delay=True)
+        beside.setFormatter(form)
+        beside.setLevel(logging.INFO)
+        train.addHandler(beside)
 
 
 def resume_state(config: dict, engine) -> dict | None:
