@@ -1,11 +1,14 @@
 """What Ray prints on the driver that says nothing to act on (orchestrate.ray_cluster): lines its
 own processes relay that RAY_NOISE names are skipped by Ray's log deduplicator, through the
-variable Ray reads when it is imported; the variable is put back afterwards."""
+variable Ray reads when it is imported; the variable is put back afterwards. And the README's
+step that makes a Ray token: the file it leaves is its owner's alone."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +40,24 @@ def test_ray_noise_is_skipped_on_the_driver_and_the_variable_put_back(users):
     relayed = ["[runner/ondevice] step 15: eval loss 0.9691"] + ([] if users else ["mine: a line to keep"])
     assert got == {"kept": relayed, "variable": users}
 
+
+
+@pytest.mark.slow
+def test_the_readmes_token_step_writes_a_file_only_its_owner_reads(tmp_path):
+    """`(umask 077; ray get-auth-token --generate)`, the README's step, writes ~/.ray/auth_token
+    with mode 0600; under the usual umask 022 Ray writes it 0644, `chmod 600` makes it private, and
+    a token generated again into it keeps that mode. Offline: the token is made on this machine."""
+    ray = Path(sys.executable).with_name("ray")
+
+    def generate(home: Path, umask: str) -> int:
+        env = {**os.environ, "HOME": str(home)}
+        done = subprocess.run(["sh", "-c", f'umask {umask}; "{ray}" get-auth-token --generate'], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+        return stat.S_IMODE((home / ".ray" / "auth_token").stat().st_mode)
+
+    assert generate(tmp_path / "private", "077") == 0o600
+    assert stat.S_IMODE((tmp_path / "private" / ".ray").stat().st_mode) == 0o700
+    assert generate(tmp_path / "usual", "022") == 0o644
+    (tmp_path / "usual" / ".ray" / "auth_token").chmod(0o600)
+    assert generate(tmp_path / "usual", "022") == 0o600
