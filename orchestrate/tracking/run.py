@@ -73,6 +73,7 @@ class Run(RunLogger):
         # MLflow's quick HTTP settings from the run's first request on; given back on the way out.
         env_before, self.outbox, self.monitor = quick_http(), None, None
         try:
+            new_sqlite_store(plan.uri)  # before any client opens it: MLflow would make the tables itself
             client = MlflowClient(tracking_uri=plan.uri)
             tags = {**run_tags(out_dir), **tags, **redact(dict(cfg.tracking.tags))}
             run = self._start(client, cfg, plan, run_name, tags)
@@ -91,7 +92,6 @@ class Run(RunLogger):
         `tracking.experiment`. A new run's tags are written with it, not through the outbox: a
         process killed in its first seconds leaves a run that `trainer.resume=auto` can still tell
         apart (config_key) and end (host, pid)."""
-        new_sqlite_store(plan.uri)
         if plan.run_id is not None:
             client.update_run(plan.run_id, status="RUNNING")
             run = client.get_run(plan.run_id)

@@ -100,3 +100,14 @@ def test_a_resumed_run_first_sends_what_its_last_attempt_kept(make_cfg, tmp_path
         assert again.logged_history()["train/loss"] == [(s, 1.0 / s) for s in range(1, 6)]
     assert not (tmp_path / "first" / UNSENT_FILE).exists()
     assert (tmp_path / "first" / f"{UNSENT_FILE}.sent").is_file()
+
+
+def test_a_first_run_in_a_folder_opens_its_new_store_without_mlflow_s_table_set_up(make_cfg, tmp_path, capfd):
+    """The store is a copy of the cached empty one (tracking.stores.new_sqlite_store) made before
+    any client opens it: no "Creating initial MLflow database tables" on the console, no 2 s."""
+    cfg = make_cfg()
+    assert not (tmp_path / "mlflow.db").exists()
+    with Run(cfg, which_run(cfg), run_name="x", tags={}, out_dir=tmp_path / "out"):
+        pass
+    assert (tmp_path / "mlflow.db").is_file()
+    assert "database tables" not in capfd.readouterr().err
