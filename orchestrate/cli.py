@@ -342,7 +342,10 @@ def main() -> None:
         fail(str(e))
     except Exception as e:
         ran = multirun or getattr(e, "orchestrate_run", None)
-        errors.report(errors.one_line(e, "the sweep" if multirun else ""), e)
+        from orchestrate.sweeps.slurm import ended_without_result
+
+        job_line = ended_without_result(e)  # a Slurm job's end, which submitit spreads over many lines
+        errors.report(f"the sweep: {job_line}" if job_line else errors.one_line(e, "the sweep" if multirun else ""), e)
         sys.exit(1 if ran else 2)
     except KeyboardInterrupt:  # Ctrl-C in a sweep (a single run reports its own stop: app.hydra_main)
         if not multirun:

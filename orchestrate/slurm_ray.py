@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STOP_TIMEOUT_S = 60  # each `ray start --block` step's end after SIGTERM (then it is killed)
-DRIVER_STOP_TIMEOUT_S = 60  # the training command's end after SIGTERM (it marks its MLflow run KILLED)
+# The training command's end after SIGTERM (it marks its MLflow run KILLED): within Slurm's default
+# KillWait (30 s), after which Slurm kills what is left of the job.
+DRIVER_STOP_TIMEOUT_S = 20
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
@@ -150,14 +152,20 @@ def answers(host: str, port: int) -> bool:
         return False
 
 
-def alive_nodes(address: str) -> int:
-    """Ray nodes alive in the cluster at `address` (this process joins it as a driver for the count)."""
+def wait_for_nodes(address: str, count: int, steps: list[RayStep], timeout_s: float) -> None:
+    """Wait until `count` Ray nodes are alive in the cluster at `address`: this process joins it as a
+    driver to count them, and leaves. Ray's init and shutdown set SIGTERM's handler: ours comes back."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, configure_logging=False, log_to_driver=False)
-        signal.signal(signal.SIGTERM, stop_on_sigterm)  # ray.init sets its own
-    return sum(1 for n in ray.nodes() if n["Alive"])
+    handler = signal.getsignal(signal.SIGTERM)
+    ray.init(address=address, configure_logging=False, log_to_driver=False)
+    try:
+        signal.signal(signal.SIGTERM, handler)
+        wait_for(f"all {count} node(s) to join the Ray cluster at {address}",
+                 lambda: sum(1 for n in ray.nodes() if n["Alive"]) >= count, steps, timeout_s)
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, handler)
 
 
 def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[RayStep]) -> dict:
@@ -168,7 +176,10 @@ def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[R
     env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16),
            # Ray Train leaves a detached actor behind: its nodes would wait 30 s for it at the end.
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           # The cluster is the job's own: when its head is gone (scancel, the time limit), the
+           # driver and the nodes give up on it after 5 s, not Ray's 60.
+           "RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
     if head_ip in LOOPBACK:
         # A one-node cluster on 127.0.0.1 (tests): without this Ray swaps loopback for the machine's
         # network address (orchestrate.ray_cluster says more).
@@ -188,17 +199,15 @@ def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[R
     for node, node_cpus in zip(allocation.nodes[1:], cpus[1:]):
         steps.append(RayStep.start(allocation.job_id, node, node_cpus, f"--address={address}",
                                    f"--node-ip-address={node_address(node)}", env=env))
-    wait_for(f"all {len(allocation.nodes)} node(s) to join the Ray cluster at {address}",
-             lambda: alive_nodes(address) >= len(allocation.nodes), steps, timeout_s)
-    import ray
-
-    ray.shutdown()  # this process only counted the nodes
+    wait_for_nodes(address, len(allocation.nodes), steps, timeout_s)
     return env
 
 
 def stop_ray(steps: list[RayStep]) -> None:
-    """SIGTERM to each `srun` (it hands the signal to `ray start --block`, which stops its node's
-    Ray processes), the other nodes first; SIGKILL after STOP_TIMEOUT_S (Slurm then ends the step)."""
+    """SIGTERM to each `srun`, the other nodes first: srun has Slurm end its step (SIGTERM to `ray
+    start --block`, which stops its node's Ray processes, SIGKILL to what is left after KillWait);
+    SIGKILL to srun itself after STOP_TIMEOUT_S."""
+    began = time.monotonic()
     for step in reversed(steps):
         if not step.ended():
             step.proc.send_signal(signal.SIGTERM)
@@ -211,7 +220,7 @@ def stop_ray(steps: list[RayStep]) -> None:
             step.proc.kill()
             step.proc.wait()
     if steps:
-        print(f"slurm-ray: Ray stopped on {len(steps)} node(s)", flush=True)
+        print(f"slurm-ray: Ray stopped on {len(steps)} node(s) in {time.monotonic() - began:.1f} s", flush=True)
 
 
 def run_driver(command: list[str], env: dict) -> int:

@@ -102,6 +102,10 @@ class SlurmCluster:
             raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
 
+    def node_state(self) -> str:
+        """The node's state in sinfo's short form: `idle` once no job is on it, none completing."""
+        return self.run("sinfo", "--noheader", f"--nodes={self.node}", "--format=%t").strip()
+
     def job_state(self, job_id: str) -> str:
         """The job's state as the controller has it (PENDING, RUNNING, COMPLETED, CANCELLED, ...)."""
         return self.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").strip()
@@ -164,7 +168,7 @@ def start(user: str = "root") -> SlurmCluster:
             if cluster.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited {cluster.procs[name].returncode} at start\n{cluster.log_tails()}")
         cluster.wait_for(f"node {host} to be idle in partition {PARTITION}",
-                         lambda: _node_state(cluster) == "idle", START_TIMEOUT_S)
+                         lambda: _answers(cluster, "sinfo") and cluster.node_state() == "idle", START_TIMEOUT_S)
     except BaseException:
         stop(cluster)
         raise
@@ -179,12 +183,6 @@ def _exited(cluster: SlurmCluster, name: str) -> bool:
     return cluster.procs[name].poll() is not None
 
 
-def _node_state(cluster: SlurmCluster) -> str:
-    done = subprocess.run(["sinfo", "-h", "-n", cluster.node, "-o", "%t"], env=cluster.env, capture_output=True,
-                          text=True, timeout=30)
-    return done.stdout.strip()
-
-
 def stop(cluster: SlurmCluster) -> None:
     """Cancel every job still there and wait for their end, then stop slurmd, slurmctld and
     munged (SIGTERM, SIGKILL after STOP_TIMEOUT_S) and remove the folder."""
@@ -192,7 +190,7 @@ def stop(cluster: SlurmCluster) -> None:
         try:
             if _answers(cluster, "scancel", "--full", f"--partition={cluster.partition}"):
                 # Idle: no job left on the node, none completing (its processes gone).
-                cluster.wait_for("the jobs to end after scancel", lambda: _node_state(cluster) == "idle",
+                cluster.wait_for("the jobs to end after scancel", lambda: cluster.node_state() == "idle",
                                  STOP_TIMEOUT_S)
         except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"slurm_cluster: {e}")

@@ -257,7 +257,7 @@ EXPECTED: dict[str, Expect] = {
     # ---- the runner on a Slurm allocation: the README's sbatch script, submitted to a Slurm cluster
     **{command: Expect(separate="tests/launch/test_slurm.py::test_the_runner_on_a_slurm_allocation") for command in (
         "source .venv/bin/activate",
-        "python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 backend.storage_path=/shared/ray "
+        "exec python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 backend.storage_path=/shared/ray "
         "trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/runner-$SLURM_JOB_ID",
         "sbatch runner.sbatch")},
     # ---- GPU: this project's machines cannot install ORT training beside a GPU

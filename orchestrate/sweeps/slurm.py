@@ -22,6 +22,7 @@ or cancels them after Ctrl-C.
 """
 
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -171,6 +172,18 @@ def settle(cancel: bool = False) -> None:
                   flush=True)
     finally:
         uninstall()
+
+
+def ended_without_result(error: BaseException) -> str | None:
+    """submitit's error for a job that ended without writing its result, in one line (its message
+    spreads the job, its state and the job's whole stderr over many lines); None for other errors."""
+    found = re.search(r"Job (\S+) \(task: \d+\) with path (\S+)\s+has not produced any output \(state: ([^)]*)\)",
+                      str(error))
+    if type(error).__name__ != "UncompletedJobError" or found is None:
+        return None
+    job, result, state = found.groups()
+    return (f"Slurm job {job} ended {state} without its result (scancel, its time limit, its memory, a lost node); "
+            f"its output: {Path(result).parent}")
 
 
 def _cancel(jobs: list[str]) -> None:

@@ -141,7 +141,9 @@ def test_scancel_of_a_running_trial_kills_its_run_and_the_sweep_goes_on(slurm_cl
     assert parent.info.status == "FAILED"
     assert (slurm_cluster.job_state(trial_0), slurm_cluster.job_state(f"{array}_1")) == ("CANCELLED", "COMPLETED")
 
-    # The sweep waited for the job still running, then summarized both, last.
+    # One line for the cancelled job, a wait for the job still running, then both summarized, last.
+    assert re.search(rf"error: the sweep: Slurm job {trial_0} ended CANCELLED without its result \(scancel, .*\); "
+                     rf"its output: \S+/\.submitit/{trial_0}; full traceback in ", printed), printed[-4000:]
     assert f"waiting for the sweep's 1 Slurm job(s) still on the cluster ({array}_1)" in printed
     summary = printed[printed.index("sweep summary (MLflow parent run"):]
     assert re.search(r"\| optimizer\.lr=0\.001 \| KILLED \|.*interrupted \(SIGTERM\)", summary), summary
@@ -149,59 +151,76 @@ def test_scancel_of_a_running_trial_kills_its_run_and_the_sweep_goes_on(slurm_cl
     assert summary.rstrip().splitlines()[-1] == f"open the UI at     {mlflow_server}"
 
 
-def wait_until_training(cluster, uri: str, experiment: str, trial: str, timeout_s: float = 300) -> str:
+def training_run(uri: str, experiment: str, name: str | None = None):
+    """The run of `experiment` (named `name`, if given) once it has logged a training loss; else None."""
+    client = client_for(uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id]) if found else []
+    return next((r for r in runs if name in (None, r.info.run_name)
+                 and metric_steps(client, r.info.run_id, "train/loss")), None)
+
+
+def wait_until_training(cluster, uri: str, experiment: str, trial: str) -> str:
     """The Slurm job id of the sweep's array task running `trial` (trial index = array index), once
     its MLflow run has logged a training loss."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        client, _, children = runs_of(uri, experiment)
-        run = next((c for c in children if c.info.run_name == trial), None)
-        if run is not None and metric_steps(client, run.info.run_id, "train/loss"):
-            index = run.data.tags["orchestrate.trial_index"]
-            jobs = cluster.run("squeue", "--noheader", "--array", "--format=%i").split()
-            (job,) = [j for j in jobs if j.endswith(f"_{index}")]
-            return job
-        time.sleep(1)
-    raise AssertionError(f"trial {trial} logged no training loss within {timeout_s} s")
+    cluster.wait_for(f"trial {trial} to log a training loss", lambda: training_run(uri, experiment, trial),
+                     JOB_TIMEOUT_S)
+    index = training_run(uri, experiment, trial).data.tags["orchestrate.trial_index"]
+    (job,) = [j for j in cluster.run("squeue", "--noheader", "--array", "--format=%i").split() if j.endswith(f"_{index}")]
+    return job
 
 
 # ---- the runner on a Slurm allocation --------------------------------------------------------------
 
-def readme_sbatch_script() -> str:
-    """The README's runner.sbatch, as a user saves it."""
+def submit_readme_script(cluster, uri: str, folder: Path, experiment: str, *overrides: str) -> str:
+    """The README's runner.sbatch, its placeholders filled in and `overrides` appended (they win),
+    submitted as the README's `sbatch runner.sbatch` sized for this one node: two tasks of one CPU.
+    Returns the job id."""
     (script,) = [b for b in blocks("bash") if "# runner.sbatch" in b]
-    return script
+    assert script.rstrip().splitlines()[-1].strip().startswith("trainer.checkpoint_period=100")
+    script = (script.replace("MLFLOW_HOST:5000", uri.removeprefix("http://")).replace("/shared", str(folder / "shared"))
+              .rstrip() + f" tracking.experiment={experiment} data=synthetic trainer=quick {' '.join(overrides)}\n")
+    (folder / "runner.sbatch").write_text(script)
+    return cluster.run("sbatch", "--parsable", f"--partition={cluster.partition}", "--nodes=1", "--ntasks-per-node=2",
+                       "--cpus-per-task=1", "--time=10", "runner.sbatch", cwd=folder).strip()
+
+
+def wait_for_the_end(cluster, job: str) -> str:
+    """The job's final state, once nothing of it is left on the node; its output then is whole."""
+    cluster.wait_for(f"job {job} to end and leave the node", lambda: cluster.job_state(job) not in
+                     ("PENDING", "RUNNING", "COMPLETING") and cluster.node_state() == "idle", JOB_TIMEOUT_S)
+    return cluster.job_state(job)
+
+
+def ray_head(cluster, job: str, output: str) -> tuple[str, int]:
+    """The head's address slurm-ray announced for the job (one node: the CPUs of its two tasks)."""
+    found = re.search(rf"slurm-ray: job {job}: Ray head on {cluster.node} \(([\d.]+):(\d+)\), 1 node\(s\): "
+                      rf"{cluster.node} 2 CPU\(s\)", output)
+    assert found, output[:3000]
+    return found.group(1), int(found.group(2))
+
+
+def nothing_listens(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return False
+    except OSError:
+        return True
 
 
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path):
     folder = user_folder(tmp_path)
-    script = readme_sbatch_script()
-    assert script.rstrip().splitlines()[-1].strip().startswith("trainer.checkpoint_period=100")
-    # The README's placeholders, and a short run (appended: the overrides after it win).
-    script = (script.replace("MLFLOW_HOST:5000", mlflow_server.removeprefix("http://"))
-              .replace("/shared", str(folder / "shared")).rstrip()
-              + " tracking.experiment=slurm_runner data=synthetic trainer=quick trainer.max_steps=60"
-                " trainer.display_loss_steps=5\n")
-    (folder / "runner.sbatch").write_text(script)
-    # The README's `sbatch runner.sbatch`, sized for this one node: two tasks of one CPU.
-    job = slurm_cluster.run("sbatch", "--parsable", f"--partition={slurm_cluster.partition}", "--nodes=1",
-                            "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "runner.sbatch",
-                            cwd=folder).strip()
-    slurm_cluster.wait_for(f"job {job} to end", lambda: slurm_cluster.job_state(job) not in
-                           ("PENDING", "RUNNING", "COMPLETING"), JOB_TIMEOUT_S)
+    job = submit_readme_script(slurm_cluster, mlflow_server, folder, "slurm_runner", "trainer.max_steps=60")
+    state = wait_for_the_end(slurm_cluster, job)
     output = (folder / f"slurm-{job}.out").read_text()
-    assert slurm_cluster.job_state(job) == "COMPLETED", output[-4000:]
+    assert state == "COMPLETED", output[-4000:]
 
-    head = re.search(rf"slurm-ray: job {job}: Ray head on {slurm_cluster.node} \(([\d.]+):(\d+)\), 1 node\(s\): "
-                     rf"{slurm_cluster.node} 2 CPU\(s\)", output)
-    assert head, output[:3000]
+    head = ray_head(slurm_cluster, job, output)
     assert "slurm-ray: python -m orchestrate backend=runner trainer.num_workers=2 backend.cpus_per_worker=1 " in output
-    assert "slurm-ray: Ray stopped on 1 node(s)" in output
-    host, port = head.group(1), int(head.group(2))
-    with pytest.raises(OSError):  # the job's Ray is gone with it
-        socket.create_connection((host, port), timeout=2).close()
+    assert "slurm-ray: Ray stopped on 1 node(s) in " in output
+    assert nothing_listens(*head)  # the job's Ray is gone with it
 
     client, _, _ = runs_of(mlflow_server, "slurm_runner")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner").experiment_id])
@@ -212,6 +231,25 @@ def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path
     assert len(losses) >= 10 and losses[-1] < losses[0], losses
     assert f"MLflow run         {run.info.run_id}" in output
     assert (folder / "shared" / "outputs" / f"runner-{job}").is_dir()  # hydra.run.dir, $SLURM_JOB_ID expanded
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_scancel_of_the_runner_job_kills_its_run_and_stops_ray(slurm_cluster, mlflow_server, tmp_path):
+    folder = user_folder(tmp_path)
+    job = submit_readme_script(slurm_cluster, mlflow_server, folder, "slurm_runner_scancel",
+                               "trainer.max_steps=100000", "trainer.evaluation_period=1000")
+    slurm_cluster.wait_for(f"job {job}'s run to log a training loss",
+                           lambda: training_run(mlflow_server, "slurm_runner_scancel"), JOB_TIMEOUT_S)
+    slurm_cluster.run("scancel", job)
+    assert wait_for_the_end(slurm_cluster, job) == "CANCELLED"
+
+    output = (folder / f"slurm-{job}.out").read_text()
+    assert "slurm-ray: stopped by a signal: stopping Ray" in output and "slurm-ray: Ray stopped on 1 node(s)" in output
+    assert nothing_listens(*ray_head(slurm_cluster, job, output))
+    client, _, _ = runs_of(mlflow_server, "slurm_runner_scancel")
+    (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner_scancel").experiment_id])
+    assert (run.info.status, run.data.tags["error"]) == ("KILLED", "interrupted (SIGTERM)")
 
 
 # ---- bad input: no cluster needed ----------------------------------------------------------------
