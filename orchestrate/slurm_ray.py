@@ -57,13 +57,12 @@ class Allocation:
     def from_environment(cls) -> "Allocation":
         env = os.environ
         if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
-            raise SlurmRayError("not inside a Slurm allocation (SLURM_JOB_ID and SLURM_JOB_NODELIST are not set): run it as the body of an "
-                                "sbatch script (the README's \"The runner on Slurm\"), or within salloc")
+            raise SlurmRayError("not inside a Slurm allocation (SLURM_JOB_ID and SLURM_JOB_NODELIST are not set): "
+                                "run it as the body of an sbatch script (README: \"On a Slurm allocation\")")
         for program in ("srun", "scontrol"):
             if shutil.which(program) is None:
                 raise SlurmRayError(f"{program}: not found on PATH (Slurm's client commands are needed)")
-        nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
-                               text=True, timeout=30, check=True).stdout.split()
+        nodes = scontrol("show", "hostnames", env["SLURM_JOB_NODELIST"]).split()
         tasks = expand_counts(env.get("SLURM_TASKS_PER_NODE", "1"))
         if len(tasks) != len(nodes):
             raise SlurmRayError(f"SLURM_TASKS_PER_NODE={env.get('SLURM_TASKS_PER_NODE')} does not match the "
@@ -84,12 +83,22 @@ def expand_counts(spec: str) -> list[int]:
     return counts
 
 
+def scontrol(*args: str) -> str:
+    done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        raise SlurmRayError(f"scontrol {' '.join(args)}: {said[-1]}")
+    return done.stdout
+
+
 def node_address(node: str) -> str:
     """The IP address Slurm reaches `node` at (its NodeAddr, resolved), for Ray to bind and join."""
-    shown = subprocess.run(["scontrol", "show", "node", "--oneliner", node], capture_output=True, text=True,
-                           timeout=30).stdout
-    addr = next((f.split("=", 1)[1] for f in shown.split() if f.startswith("NodeAddr=")), node)
-    return socket.gethostbyname(addr)
+    fields = scontrol("show", "node", "--oneliner", node).split()
+    addr = next((f.split("=", 1)[1] for f in fields if f.startswith("NodeAddr=")), node)
+    try:
+        return socket.gethostbyname(addr)
+    except OSError as e:
+        raise SlurmRayError(f"node {node}: its address {addr} does not resolve ({e})") from None
 
 
 def free_port() -> int:
@@ -238,8 +247,12 @@ def run_driver(command: list[str], env: dict) -> int:
         raise
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (scancel, the time limit): stop as on Ctrl-C."""
+
+
 def stop_on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt  # scancel and the time limit send SIGTERM: stop Ray as on Ctrl-C
+    raise Terminated
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -269,9 +282,9 @@ def main(argv: list[str]) -> int:
         return run_driver(command, env)
     except SlurmRayError as e:
         fail(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("slurm-ray: stopped by a signal: stopping Ray", file=sys.stderr, flush=True)
-        return 143
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # as a shell reports it
     finally:
         stop_ray(steps)
         signal.signal(signal.SIGTERM, previous)

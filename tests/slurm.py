@@ -1,6 +1,6 @@
 """A real single-node Slurm cluster on 127.0.0.1 for the tests (`slurm_cluster` in conftest.py):
 Debian's `munge`, `slurmctld` and `slurmd` (Slurm 22.05; `.ci/run` installs them), each run in the
-foreground as a child of the test session, with every file they write (configuration, munge key
+foreground as a child of the test session (and ended with it), with every file they write (configuration, munge key
 and socket, state, spool, logs, pid files) in one temporary folder that is removed at the end.
 Nothing under /etc, /run or /var is read or written: clients find the cluster through SLURM_CONF.
 
@@ -19,6 +19,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrate.server import _die_with_parent
+from tests.helpers import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
@@ -46,12 +49,6 @@ def memory_mb() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.9) // 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SLURM_CONF = """\
 # A one-node cluster on 127.0.0.1 for orchestrate's tests (tests/slurm.py).
 ClusterName=orchestrate-tests
@@ -62,7 +59,7 @@ CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={folder}/munge/munge.socket
-SlurmUser={user}
+SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool
@@ -78,6 +75,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+# A job step that outlives its SIGTERM (scancel, the time limit) is killed 10 s later (default 30).
 KillWait=10
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
@@ -126,7 +124,7 @@ class SlurmCluster:
         return "\n".join(tails)
 
 
-def start(user: str = "root") -> SlurmCluster:
+def start() -> SlurmCluster:
     """munged, slurmctld and slurmd, each in the foreground, configured in a new temporary folder;
     returns once the node is idle. On failure whatever started is stopped again."""
     # munged refuses a socket in a folder that others cannot enter: a folder of its own under /tmp
@@ -140,7 +138,7 @@ def start(user: str = "root") -> SlurmCluster:
     (folder / "munge" / "munge.key").chmod(0o400)
     host = socket.gethostname().split(".")[0]
     conf = folder / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, folder=folder, user=user, ctld_port=free_port(),
+    conf.write_text(SLURM_CONF.format(host=host, folder=folder, ctld_port=free_port(),
                                       slurmd_port=free_port(), cpus=os.cpu_count(), memory_mb=memory_mb(),
                                       partition=PARTITION))
     env = {**os.environ, "SLURM_CONF": str(conf),
@@ -161,9 +159,10 @@ def start(user: str = "root") -> SlurmCluster:
     }
     try:
         for name, command in commands.items():
-            out = open(folder / "log" / f"{name}.out", "w")
-            cluster.procs[name] = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                   start_new_session=True)
+            # Each daemon gets SIGTERM should the test session die without stopping it.
+            with open(folder / "log" / f"{name}.out", "w") as out:
+                cluster.procs[name] = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                       start_new_session=True, preexec_fn=_die_with_parent)
             cluster.wait_for(f"{name} to start", lambda: ready[name]() or _exited(cluster, name), START_TIMEOUT_S)
             if cluster.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited {cluster.procs[name].returncode} at start\n{cluster.log_tails()}")

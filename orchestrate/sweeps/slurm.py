@@ -12,13 +12,13 @@ its own:
   one, while the trials after it still run on the cluster.
 
 So, in the launching process of such a sweep, `SlurmJobs` (a Hydra callback beside
-`sweep_tracking`, conf/config.yaml) puts `_squeue.QueueWatcher` in place of submitit's watcher: `sacct`
-once, to see whether it answers, then submitit's own polling through it if it does, `squeue` if it
-does not. submitit has no setting for either, so its class's shared `watcher` is replaced for the
-sweep and put back after it. submitit's log records go to `<sweep dir>/submitit.log` (the first
-warning also to the console, once, naming the file). After the launcher raised, `settle()`
-(called by orchestrate/cli.py before the summary) waits for the sweep's jobs still on the cluster,
-or cancels them after Ctrl-C.
+`sweep_tracking`, conf/config.yaml) asks `sacct` once whether it answers, and puts
+`_squeue.QueueWatcher` in place of submitit's watcher: submitit's own polling where `sacct`
+answers, `squeue` where it does not. submitit has no setting for this, so the job class's shared
+`watcher` is replaced for the sweep and put back after it. submitit's log records go to
+`<sweep dir>/submitit.log` (the first warning also to the console, once, naming the file). After
+the launcher raised, `settle()` (called by orchestrate/cli.py before the summary) waits for the
+sweep's jobs still on the cluster, or cancels them after Ctrl-C.
 """
 
 import logging

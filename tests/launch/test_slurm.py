@@ -5,7 +5,9 @@ tests/slurm.py; accounting off, as on most small clusters) and the session's MLf
   no GPU, the server's address), run from a folder that holds `.venv` as the README's setup line
   expects: every trial a Slurm job, the runs on the server, the summary last and readable.
 - `scancel` of a running trial: its run KILLED, the other trial FINISHED, the sweep's summary.
-- The README's sbatch script for the runner (`orchestrate slurm-ray`) on a 2-task allocation.
+- The README's sbatch script for the runner (`orchestrate slurm-ray`) on a 2-task allocation: Ray
+  across the allocation, one worker per task, the run FINISHED; cancelled with `scancel` while it
+  trains: the run KILLED, Ray stopped. Outside an allocation: one line, exit code 2.
 
 Commands run as a user types them (the checkout's .venv python), results are read back through
 MlflowClient and Slurm's own commands. Each test's experiment is its own on the shared server.
@@ -14,7 +16,6 @@ MlflowClient and Slurm's own commands. Each test's experiment is its own on the 
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -200,14 +201,6 @@ def ray_head(cluster, job: str, output: str) -> tuple[str, int]:
     return found.group(1), int(found.group(2))
 
 
-def nothing_listens(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return False
-    except OSError:
-        return True
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path):
@@ -220,7 +213,7 @@ def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path
     head = ray_head(slurm_cluster, job, output)
     assert "slurm-ray: python -m orchestrate backend=runner trainer.num_workers=2 backend.cpus_per_worker=1 " in output
     assert "slurm-ray: Ray stopped on 1 node(s) in " in output
-    assert nothing_listens(*head)  # the job's Ray is gone with it
+    assert not slurm_ray.answers(*head)  # the job's Ray is gone with it
 
     client, _, _ = runs_of(mlflow_server, "slurm_runner")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner").experiment_id])
@@ -246,7 +239,7 @@ def test_scancel_of_the_runner_job_kills_its_run_and_stops_ray(slurm_cluster, ml
 
     output = (folder / f"slurm-{job}.out").read_text()
     assert "slurm-ray: stopped by a signal: stopping Ray" in output and "slurm-ray: Ray stopped on 1 node(s)" in output
-    assert nothing_listens(*ray_head(slurm_cluster, job, output))
+    assert not slurm_ray.answers(*ray_head(slurm_cluster, job, output))
     client, _, _ = runs_of(mlflow_server, "slurm_runner_scancel")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner_scancel").experiment_id])
     assert (run.info.status, run.data.tags["error"]) == ("KILLED", "interrupted (SIGTERM)")
