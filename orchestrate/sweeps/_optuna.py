@@ -155,8 +155,10 @@ def create_database(storage: str) -> None:
 
 def remote_trials(config: DictConfig) -> str | None:
     """Why the trials may run on other machines (so a SQLite file here is out of their reach), or None."""
+    from orchestrate.sweeps.slurm import is_slurm
+
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
-    if launcher.endswith(".SlurmLauncher"):
+    if is_slurm(config):
         return "hydra/launcher=submitit_slurm runs the trials on the cluster's nodes"
     address = OmegaConf.select(config, "hydra.launcher.address", default=None)
     if launcher.endswith("OrchestrateRayLauncher") and address not in (None, "local") \

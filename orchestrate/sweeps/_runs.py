@@ -18,6 +18,7 @@ from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.callbacks import Handover
+from orchestrate.sweeps.slurm import is_slurm
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
 from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
 
@@ -90,7 +91,7 @@ class Sweep:
         uri = absolute_uri(settings.tracking_uri)
         new_sqlite_store(uri)
         if own_server(uri, settings.tracking_server):
-            if str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
+            if is_slurm(config):
                 # Its trials run on other machines: neither this machine's 127.0.0.1 nor its disk is theirs.
                 raise ValueError(f"tracking.uri={settings.tracking_uri}: hydra/launcher=submitit_slurm runs the "
                                  "trials on the cluster's nodes, which cannot reach this machine's SQLite store "

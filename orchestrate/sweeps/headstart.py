@@ -65,7 +65,9 @@ def _start_server(cfg: DictConfig) -> list[Path]:
     uri = absolute_uri(str(tracking.tracking_uri))
     if not own_server(uri, tracking.get("tracking_server", True)) or uri in _SERVERS:
         return []
-    if str(cfg.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+    from orchestrate.sweeps.slurm import is_slurm
+
+    if is_slurm(cfg):
         return []  # refused by _runs.Sweep with its own message
 
     path = Path(uri.removeprefix("sqlite:///"))

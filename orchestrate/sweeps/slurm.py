@@ -40,6 +40,7 @@ _SWEEP: "_Installed | None" = None  # the Slurm sweep this process launched, whi
 
 
 def is_slurm(config: DictConfig) -> bool:
+    """Whether the sweep's trials run as Slurm jobs (hydra/launcher=submitit_slurm)."""
     return str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher")
 
 
