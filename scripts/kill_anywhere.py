@@ -107,7 +107,7 @@ def _wrap_training(data: KillingData) -> None:
         return
     save, evaluate = checkpoints.Checkpoints.save, meter.Meter.evaluate
 
-    def killing_save(self, step, write, suffix):
+    def killing_save(self, step, write, suffix, **options):
         def killing_write(tmp: Path) -> None:
             write(tmp)
             if step == data.at and data.kill == "ckpt-partial":  # a write cut off half-way
@@ -116,7 +116,7 @@ def _wrap_training(data: KillingData) -> None:
                 data.fire()
             if step == data.at and data.kill == "ckpt-tmp":  # written, not yet renamed
                 data.fire()
-        path = save(self, step, killing_write, suffix)
+        path = save(self, step, killing_write, suffix, **options)
         if step == data.at and data.kill == "ckpt-done" and path is not None:
             data.fire()
         return path
