@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,12 @@ def wait_for_nodes(address: str, count: int, steps: list[RayStep], timeout_s: fl
         signal.signal(signal.SIGTERM, handler)
 
 
+def head_folder(job_id: str) -> Path:
+    """The Ray head's temporary folder: the job's own, removed once Ray has stopped (Ray's output
+    is in slurm-ray-<job>-<node>.log)."""
+    return Path(tempfile.gettempdir()) / f"ray-slurm-{job_id}"
+
+
 def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[RayStep]) -> dict:
     """The head on the first node, then a node on each other one, each waited for; returns the
     environment that reaches the cluster (RAY_ADDRESS, the token)."""
@@ -200,7 +207,11 @@ def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[R
           flush=True)
     # The dashboard serves Ray's state API, which Ray Train's clean-up actor polls (without it, a
     # warning every few seconds); on the head's address, behind the token.
+    # The head's files in a folder of the job's own: `ray start --head` leaves the address of its
+    # cluster in <temp dir>/ray_current_cluster, and a later plain `ray.init()` on the node (Ray
+    # Train's clean-up actor looks the cluster up that way) would wait for a cluster long gone.
     steps.append(RayStep.start(allocation.job_id, allocation.nodes[0], cpus[0], "--head", f"--port={port}",
+                               f"--temp-dir={head_folder(allocation.job_id)}",
                                f"--node-ip-address={head_ip}", "--include-dashboard=true",
                                f"--dashboard-host={head_ip}", f"--dashboard-port={free_port()}", env=env))
     wait_for(f"the Ray head on {allocation.nodes[0]} to answer at {address}", lambda: answers(head_ip, port),
@@ -287,4 +298,6 @@ def main(argv: list[str]) -> int:
         return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # as a shell reports it
     finally:
         stop_ray(steps)
+        if steps:
+            shutil.rmtree(head_folder(allocation.job_id), ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,9 @@ def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path
     assert "slurm-ray: python -m orchestrate backend=runner trainer.num_workers=2 backend.cpus_per_worker=1 " in output
     assert "slurm-ray: Ray stopped on 1 node(s) in " in output
     assert not slurm_ray.answers(*head)  # the job's Ray is gone with it
+    # and leaves no address behind for a later plain ray.init() on the node to wait for
+    assert not (Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster").exists()
+    assert not slurm_ray.head_folder(job).exists()
 
     client, _, _ = runs_of(mlflow_server, "slurm_runner")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner").experiment_id])
