@@ -94,8 +94,8 @@ def test_the_readme_sweep_runs_every_trial_as_a_slurm_job(slurm_cluster, mlflow_
     (sweep_dir,) = (folder / "multirun").glob("*/*")
     results = sorted(p.parent.name for p in sweep_dir.glob(".submitit/*/*_result.pkl"))
     assert len(results) == 2 and all(re.fullmatch(r"\d+_[01]", r) for r in results), results
-    job_states = {slurm_cluster.job_state(r) for r in results}
-    assert job_states == {"COMPLETED"}
+    # A job whose result is written may still be RUNNING for Slurm for a moment: wait for its end.
+    assert {wait_for_the_end(slurm_cluster, r) for r in results} == {"COMPLETED"}
 
     # The summary is readable and last: no sacct or submitit notes on the console (they are in the
     # sweep's submitit.log), and the closing hint is the server's own URL.
