@@ -141,7 +141,8 @@ def test_scancel_of_a_running_trial_kills_its_run_and_the_sweep_goes_on(slurm_cl
     assert finished.info.status == "FINISHED" and finished.data.metrics["final/train_loss"] > 0
     assert [s for s, _ in metric_steps(client, finished.info.run_id, "train/loss")][-1] == 400
     assert parent.info.status == "FAILED"
-    assert (slurm_cluster.job_state(trial_0), slurm_cluster.job_state(f"{array}_1")) == ("CANCELLED", "COMPLETED")
+    assert (wait_for_the_end(slurm_cluster, trial_0), wait_for_the_end(slurm_cluster, f"{array}_1")) == (
+        "CANCELLED", "COMPLETED")
 
     # One line for the cancelled job, a wait for the job still running, then both summarized, last.
     assert re.search(rf"error: the sweep: Slurm job {trial_0} ended CANCELLED without its result \(scancel, .*\); "
