@@ -241,10 +241,7 @@ def test_model_onnx_is_the_same_whichever_backend_trained_it(backend, model, ove
     export_onnx(schema.build(cfg.model, "model"), schema.build(cfg.data, "data").sample_input(), tmp_path / "torch.onnx")
     reference = signature(tmp_path / "torch.onnx")
     assert all(dims and dims[0] is None for *_, dims in reference), reference  # the batch stays symbolic
-    try:
-        job = fit_untracked(overrides, tmp_path / "out")
-    except schema.ConfigError as e:  # refused before any compute: nothing exported to compare
-        pytest.skip(f"backend={backend} refuses model={model}: {e}")
+    job = fit_untracked(overrides, tmp_path / "out")  # every pairing listed trains (none is refused)
     assert signature(job.out_dir / "model.onnx") == reference
 
 
