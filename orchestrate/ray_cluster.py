@@ -99,6 +99,10 @@ RAY_NOISE = (
     # controller still lives; the State API is served by the dashboard, which `init` does not
     # start (include_dashboard=False), so every ask fails and says so: once a second, all run long.
     r"Failed to query Ray Train Controller actor state",
+    # Ray Train's controller starts its PreemptionWatcher actor with restarts allowed and its
+    # arguments in the object store, and Ray's core says at every start (an error line) that such
+    # an actor might fail to restart: about Ray's own code, nothing a user can change.
+    r"has constructor arguments in the object store and max_restarts > 0",
 )
 
 

@@ -247,7 +247,7 @@ def test_scancel_of_the_runner_job_kills_its_run_and_stops_ray(slurm_cluster, ml
     assert not slurm_ray.answers(*ray_head(slurm_cluster, job, output))
     client, _, _ = runs_of(mlflow_server, "slurm_runner_scancel")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner_scancel").experiment_id])
-    assert (run.info.status, run.data.tags["error"]) == ("KILLED", "interrupted (SIGTERM)")
+    assert (run.info.status, run.data.tags["error"]) == ("KILLED", "interrupted (SIGTERM)"), output[-4000:]
 
 
 # ---- bad input: no cluster needed ----------------------------------------------------------------

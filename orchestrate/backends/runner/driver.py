@@ -37,6 +37,7 @@ so such a restart hands every rank rank 0's and does not repeat the uninterrupte
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -218,6 +219,7 @@ class RunnerBackend(Backend):
         except ray_cluster.RayUnavailable as e:
             raise ConfigError(str(e)) from None
         process.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
+        stopped = _STOPPED_RUNS.set([])
         try:
             n = job.trainer.num_workers
             bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
@@ -229,6 +231,13 @@ class RunnerBackend(Backend):
                 raise ConfigError(str(e)) from None
             yield
         finally:
+            # A stopped run's Ray Train run is aborted only now, after its MLflow run was marked
+            # KILLED (the `with Run` block inside this one): when the cluster itself goes away
+            # with the signal (scancel ends the job's Ray steps too), Ray ends this process 5 s
+            # after its head is gone, and the MLflow run's end must not wait on Ray to get there.
+            for controller in _STOPPED_RUNS.get():
+                abort(controller)
+            _STOPPED_RUNS.reset(stopped)
             if started:
                 import ray
 
@@ -280,16 +289,15 @@ class RunnerBackend(Backend):
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
         # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
-        # a KeyboardInterrupt out of fit()'s wait, on which the controller is aborted here (it stops
-        # the workers) before the run is marked KILLED and a Ray started here shut down.
+        # a KeyboardInterrupt out of fit()'s wait; the run is marked KILLED, then `connect` aborts
+        # the controller (it stops the workers) and shuts down a Ray started here.
         controllers: list = []
         trainer._register_sigint_handler = controllers.append  # handed the controller actor
         try:
             with train_environment():
                 result = trainer.fit()
         except KeyboardInterrupt as e:
-            for controller in controllers:
-                abort(controller)
+            _STOPPED_RUNS.get().extend(controllers)
             stopped = process.stopped_by()
             if stopped is not None and not isinstance(e, process.Stopped):
                 raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
@@ -309,6 +317,8 @@ class RunnerBackend(Backend):
 
 
 ABORT_WAIT_S = 30.0
+# The Ray Train controllers of runs stopped by a signal inside a `connect` block, aborted at its end.
+_STOPPED_RUNS: contextvars.ContextVar[list] = contextvars.ContextVar("stopped_runs")
 
 
 def abort(controller) -> None:
