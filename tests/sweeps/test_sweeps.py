@@ -199,12 +199,14 @@ def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
     assert "RUNNING" not in {c.info.status for c in children}  # the sweep closed what it stopped
 
 
-CONCURRENT = 16  # trials at once, each in its own Ray worker process
+# Trials at once, each in its own Ray worker process: more than the machine's cores, so that their
+# writes interleave. scripts/concurrency.py runs the same check with 16 (docs/concurrency.md).
+CONCURRENT = 6
 
 
 @pytest.mark.slow
-def test_sixteen_concurrent_trials_lose_no_metric(tmp_path):
-    """16 trials at once write through the sweep's MLflow server into one SQLite store: every
+def test_concurrent_trials_lose_no_metric(tmp_path):
+    """Trials at once write through the sweep's MLflow server into one SQLite store: every
     metric step of every trial arrives exactly once."""
     lrs = ",".join(f"{0.001 * (i + 1):.3f}" for i in range(CONCURRENT))
     done = sweep("-m", "backend=torch", f"optimizer.lr={lrs}", f"hydra.launcher.cpus_per_trial={2 / CONCURRENT}",
