@@ -75,8 +75,8 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
-# A job step that outlives its SIGTERM (scancel, the time limit) is killed 10 s later (default 30).
-KillWait=10
+# A job step that outlives its SIGTERM (scancel, the time limit) is killed 30 s later (Slurm's default).
+KillWait=30
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """

@@ -25,7 +25,7 @@ from orchestrate import errors
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact, redacted_yaml
 from orchestrate.tracking.environment import installed_packages, run_tags
-from orchestrate.tracking.handover import handed_over_run
+from orchestrate.tracking.handover import handed_over_run, tell_wrapper
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE, cause
 from orchestrate.tracking.params import flatten
@@ -78,6 +78,7 @@ class Run(RunLogger):
             tags = {**run_tags(out_dir), **tags, **redact(dict(cfg.tracking.tags))}
             run = self._start(client, cfg, plan, run_name, tags)
             super().__init__(plan.uri, run.info.run_id, out_dir)
+            tell_wrapper(plan.uri, run.info.run_id)
             self._record(cfg, plan, run, tags)
         except BaseException:
             if self.outbox is not None:
