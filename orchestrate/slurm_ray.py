@@ -34,14 +34,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrate.tracking.handover import RUN_FILE_VARIABLE
+from orchestrate.tracking.handover import RUN_FILE_VARIABLE, end_run_left_open
 
 STOP_TIMEOUT_S = 60  # each `ray start --block` step's end after SIGTERM (then it is killed)
 # The training command's end after SIGTERM (it marks its MLflow run KILLED; Ray ends it 5 s after
 # the job's head is gone): then it is killed, and its run, if still RUNNING, is ended KILLED from
 # here. All of it well within Slurm's default KillWait (30 s), after which Slurm kills the job.
 DRIVER_STOP_TIMEOUT_S = 8
-MLFLOW_TIMEOUT_S = 5  # each MLflow request that ends a run the training command left open
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
@@ -188,6 +187,12 @@ def head_folder(job_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"ray-slurm-{job_id}"
 
 
+def run_file(job_id: str) -> Path:
+    """Where the training command names its MLflow run (orchestrate.tracking.handover), beside the
+    job's output; removed at the end."""
+    return Path(f"slurm-ray-{job_id}.run").resolve()
+
+
 def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[RayStep]) -> dict:
     """The head on the first node, then a node on each other one, each waited for; returns the
     environment that reaches the cluster (RAY_ADDRESS, the token)."""
@@ -247,12 +252,12 @@ def stop_ray(steps: list[RayStep]) -> None:
         print(f"slurm-ray: Ray stopped on {len(steps)} node(s) in {time.monotonic() - began:.1f} s", flush=True)
 
 
-def run_driver(command: list[str], env: dict, run_file: Path) -> int:
+def run_driver(command: list[str], env: dict, named_in: Path) -> int:
     """The training command, in the foreground; a signal to this process (scancel, the time limit)
     is handed on to it, and it gets DRIVER_STOP_TIMEOUT_S to close its MLflow run (KILLED). The
-    command writes its run's URI and id to `run_file` when it opens the run: a run it could not
+    command writes its run's URI and id to `named_in` when it opens the run: a run it could not
     end (killed, or ended by Ray when the job's head went away first) is ended KILLED from here."""
-    driver = subprocess.Popen(command, env={**env, RUN_FILE_VARIABLE: str(run_file)})
+    driver = subprocess.Popen(command, env={**env, RUN_FILE_VARIABLE: str(named_in)})
     try:
         return driver.wait()
     except KeyboardInterrupt as e:
@@ -265,30 +270,10 @@ def run_driver(command: list[str], env: dict, run_file: Path) -> int:
             driver.wait()
         print(f"slurm-ray: the training command ended {time.monotonic() - began:.1f} s after the signal "
               f"(exit code {driver.returncode})", file=sys.stderr, flush=True)
-        end_open_run(run_file, "SIGTERM" if isinstance(e, Terminated) else "SIGINT")
+        said = end_run_left_open(named_in, "SIGTERM" if isinstance(e, Terminated) else "SIGINT")
+        if said:
+            print(f"slurm-ray: {said}", file=sys.stderr, flush=True)
         raise
-
-
-def end_open_run(run_file: Path, signal_name: str) -> None:
-    """The training command's MLflow run, ended KILLED as the command itself ends it on a signal,
-    if it is still RUNNING: the command was killed before it could end it."""
-    if not run_file.is_file():
-        return  # no run was opened
-    uri, run_id = run_file.read_text().split()
-    os.environ.update(MLFLOW_HTTP_REQUEST_TIMEOUT=str(MLFLOW_TIMEOUT_S), MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
-    from mlflow.tracking import MlflowClient
-
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        if client.get_run(run_id).info.status != "RUNNING":
-            return
-        client.set_tag(run_id, "error", f"interrupted ({signal_name})")
-        client.set_terminated(run_id, "KILLED")
-        print(f"slurm-ray: MLflow run {run_id} marked KILLED (the training command ended without ending it)",
-              file=sys.stderr, flush=True)
-    except Exception as e:  # noqa: BLE001 - the job is ending: say so, and stop Ray all the same
-        print(f"slurm-ray: MLflow run {run_id} may stay RUNNING at {uri}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
 
 
 class Terminated(KeyboardInterrupt):
@@ -323,7 +308,7 @@ def main(argv: list[str]) -> int:
         command = [sys.executable, "-m", "orchestrate", "backend=runner", f"trainer.num_workers={allocation.tasks}",
                    f"backend.cpus_per_worker={allocation.cpus_per_task}", *args.overrides]
         print(f"slurm-ray: python {' '.join(command[1:])}", flush=True)
-        return run_driver(command, env, Path(f"slurm-ray-{allocation.job_id}.run").resolve())
+        return run_driver(command, env, run_file(allocation.job_id))
     except SlurmRayError as e:
         fail(str(e))
     except KeyboardInterrupt as e:
@@ -333,5 +318,5 @@ def main(argv: list[str]) -> int:
         stop_ray(steps)
         if steps:
             shutil.rmtree(head_folder(allocation.job_id), ignore_errors=True)
-            Path(f"slurm-ray-{allocation.job_id}.run").unlink(missing_ok=True)
+            run_file(allocation.job_id).unlink(missing_ok=True)
         signal.signal(signal.SIGTERM, previous)

@@ -8,14 +8,46 @@ before it can end it itself (Slurm's SIGKILL after KillWait)."""
 import os
 from pathlib import Path
 
+from orchestrate.tracking.settings import set_env
+
 # Set by the wrapper: the file where the training command writes its run's URI and id.
 RUN_FILE_VARIABLE = "ORCHESTRATE_RUN_FILE"
+# The wrapper's requests when it ends a run left open: the job is ending (Slurm's KillWait).
+WRAPPER_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+
+
+def interrupted(cause: str) -> str:
+    """The `error` tag of a run ended KILLED by a signal (`cause`: its name)."""
+    return f"interrupted ({cause})"
 
 
 def tell_wrapper(uri: str, run_id: str) -> None:
     path = os.environ.get(RUN_FILE_VARIABLE)
     if path:
         Path(path).write_text(f"{uri}\n{run_id}\n")
+
+
+def end_run_left_open(run_file: Path, cause: str) -> str | None:
+    """In the wrapper, once the training command has ended after a signal: its run (named in
+    `run_file`), ended KILLED as the command itself ends it, if the command left it RUNNING (it was
+    killed first). Returns what to say, or None when there was nothing to do."""
+    if not run_file.is_file():
+        return None  # no run was opened
+    uri, run_id = run_file.read_text().split()
+    before = set_env(WRAPPER_HTTP)
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        if client.get_run(run_id).info.status != "RUNNING":
+            return None
+        client.set_tag(run_id, "error", interrupted(cause))
+        client.set_terminated(run_id, "KILLED")
+        return f"MLflow run {run_id} marked KILLED (the training command ended without ending it)"
+    except Exception as e:  # noqa: BLE001 - the job is ending: say so, and stop Ray all the same
+        return f"MLflow run {run_id} may stay RUNNING at {uri}: {type(e).__name__}: {e}"
+    finally:
+        set_env(before)
 
 
 def handed_over_run() -> tuple[str, str] | None:

@@ -25,7 +25,7 @@ from orchestrate import errors
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact, redacted_yaml
 from orchestrate.tracking.environment import installed_packages, run_tags
-from orchestrate.tracking.handover import handed_over_run, tell_wrapper
+from orchestrate.tracking.handover import handed_over_run, interrupted, tell_wrapper
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE, cause
 from orchestrate.tracking.params import flatten
@@ -155,7 +155,7 @@ class Run(RunLogger):
         status = "FINISHED"
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             status = "KILLED"  # Ctrl-C, or SIGINT / SIGTERM (orchestrate.process.Stopped names it)
-            self.set_tags({"error": f"interrupted ({str(exc) or exc_type.__name__})"})
+            self.set_tags({"error": interrupted(str(exc) or exc_type.__name__)})
         elif exc_type is not None:
             status = "FAILED"
             if issubclass(exc_type, Diverged):  # its own words; trainer.resume may go on with a lower rate
