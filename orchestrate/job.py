@@ -4,6 +4,7 @@ the meter (steps, progress, metrics), the checkpoints, and the data-parallel con
 process unless the runner's workers say otherwise)."""
 
 import dataclasses
+import inspect
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,14 +193,24 @@ class Job:
         samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
                            paused=lambda: self.checkpoints.seconds,
-                           update_allowed=self.parallel.update_allowed, agree=self.parallel.agree)
+                           update_allowed=self.parallel.update_allowed, agree=self.parallel.agree,
+                           hold=self.parallel.hold)
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""
         self.meter.tracker = self.checkpoints.tracker = tracker
 
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
-        return schema.build(self.cfg.optimizer, "optimizer", params)
+    def make_optimizer(self, params, fused: bool = False) -> torch.optim.Optimizer:
+        """The configured optimizer on `params`. `fused`: a torch.optim optimizer that has a fused
+        implementation (AdamW, Adam, SGD, Adagrad) gets it unless `optimizer.fused` is set: one
+        kernel for the whole update, which can also skip an update on the device (its `found_inf`,
+        as GradScaler uses it), so that the loop's divergence guard never waits for the device."""
+        node = self.cfg.optimizer
+        target = schema.target_of(node, "optimizer")
+        if (fused and "fused" not in node and target.__module__.startswith("torch.optim")
+                and "fused" in inspect.signature(target).parameters):
+            return schema.build(node, "optimizer", params, fused=True)
+        return schema.build(node, "optimizer", params)
 
     def train_batch(self, step: int, micro: int = 0):
         """This worker's share of micro-batch `micro` of 1-based `step`, from the seeded order:

@@ -36,7 +36,8 @@ class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
                  update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite,
-                 agree: Callable[[bool], bool] = lambda flag: flag):
+                 agree: Callable[[bool], bool] = lambda flag: flag,
+                 hold: Callable[[Any, Callable], Any] = lambda loss, grads: loss.isfinite().logical_not().float()):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
         self.tracker = tracker  # orchestrate.tracking.logger.RunLogger, or None (not tracked, or not rank 0)
@@ -44,6 +45,7 @@ class Meter:
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
         self.update_allowed = update_allowed  # the runner's workers decide alike (Parallel.update_allowed)
         self.agree = agree  # Parallel.agree: true when true on every rank
+        self.hold = hold  # Parallel.hold: update_allowed's answer on the device, as a flag (1.0: hold)
         # A pruning sweep's trial (orchestrate.sweeps.pruning.Trial) on every rank, or None: it is
         # told each evaluation (on the rank that evaluates) and its pruner may end the run early.
         self.trial = None
@@ -57,6 +59,10 @@ class Meter:
         self.logged_steps: dict[str, set[int]] = {}  # a resumed run: the steps MLflow holds, per metric
         self.tensorboard = None  # trainer.tensorboard: a SummaryWriter, opened at the first metric
         self._timed_steps, self._timed_seconds = 0, 0.0
+        # What the device has not told yet (`record` with on_device=True): each step's loss and
+        # whether its update was held, as tensors, read in one go at the next reading step.
+        self._unread: list[tuple[int, Any, Any]] = []
+        self._held = None  # trainer.on_nonfinite=stop: 1.0 on the device from the first bad step on
 
     def steps(self, start: int = 1) -> Iterator[int]:
         """Yield 1-based step numbers with a progress bar; time the steps between displays."""
@@ -79,15 +85,68 @@ class Meter:
     def displaying(self, step: int) -> bool:
         return self.trainer.due(step, self.trainer.display_loss_steps)
 
+    def reads(self, step: int) -> bool:
+        """Whether the loop reads its numbers back at `step`: display, evaluation and checkpoint
+        steps (and the last). Between them a loop that keeps its losses on the device
+        (`record(on_device=True)`) never waits for it."""
+        t = self.trainer
+        return self.displaying(step) or t.due(step, t.evaluation_period) or t.due(step, t.checkpoint_period)
+
+    def record(self, step: int, loss, grad_norm: float | None = None, grads: Callable[[], list] = lambda: [],
+               on_device: bool = False):
+        """After the step's backward, before its update, on every rank: the step's loss (a float,
+        or with `on_device` a 0-dim tensor on the loop's device), logged as the mean over each
+        display window. Returns what holds the update: False (apply it), True (drop it), or, with
+        `on_device` between reading steps, a float tensor on the device, 1.0 to hold it, which the
+        optimizer reads itself (`orchestrate.backends.torch.update`), so that nothing waits.
+
+        The divergence guard: a nan or inf loss (or gradient norm, where the loop computed one)
+        never changes the weights. With trainer.on_nonfinite=stop it raises Diverged naming its
+        step, at that step or, decided on the device, at the next reading step (every update in
+        between held too), before the weights change again or a checkpoint is written; with skip
+        its update is dropped, counted in train/skipped_steps. On the runner every rank takes the
+        same decision, from `grads()` (the all-reduced gradients)."""
+        if on_device and not self.reads(step):
+            held = self.hold(loss, grads)  # decided on the device: nothing is read here
+            if self.trainer.on_nonfinite == NonFinite.stop:  # every update after a bad one is held too
+                held = self._held = held if self._held is None else self._held.maximum(held)
+            self._unread.append((step, loss, held))
+            self._window_steps += 1
+            return held
+        if not isinstance(loss, (float, int)):  # a tensor
+            loss = self._read(loss)  # one wait for the device: the steps since the last read, and this one
+        held = not self.finite(step, loss, grad_norm, grads)
+        self._add(loss)
+        if self.displaying(step):
+            self._display(step)
+        return held
+
+    def _read(self, loss) -> float:
+        """The losses and holds of the steps the device has not told yet, read in one go, then
+        taken in step order as the host would have taken them (a held step: Diverged with stop,
+        counted with skip); returns this step's `loss` as a float."""
+        import torch
+
+        unread, self._unread, self._held = self._unread, [], None
+        values = torch.stack([t.float() for _, lo, h in unread for t in (lo, h)] + [loss.float()]).tolist()
+        self._window_steps -= len(unread)  # counted when recorded; counted again below, with their losses
+        for i, (step, _, _) in enumerate(unread):
+            self._add(values[2 * i])
+            if values[2 * i + 1]:  # held: this rank's loss (or another rank's, or a gradient) was not finite
+                self._not_finite(step, values[2 * i], None)
+        return values[-1]
+
     def finite(self, step: int, loss: float, grad_norm: float | None = None,
                grads: Callable[[], list] = lambda: []) -> bool:
-        """Before the update, on every rank: True to apply it. A nan or inf loss (or gradient norm,
-        where the loop computed one) raises Diverged (trainer.on_nonfinite=stop) before the
-        weights change, or drops this update (skip, counted in train/skipped_steps). On the
-        runner every rank takes the same decision, from `grads()` (the all-reduced gradients)."""
+        """The host's decision for one step (`record` takes it): True to apply its update."""
         finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
         if self.update_allowed(finite, grads):
             return True
+        self._not_finite(step, loss, grad_norm)
+        return False
+
+    def _not_finite(self, step: int, loss: float, grad_norm: float | None) -> None:
+        """A step whose update did not happen: Diverged (stop), or one more skipped step (skip)."""
         if self.trainer.on_nonfinite == NonFinite.stop:
             if not math.isfinite(loss):
                 raise Diverged("loss", loss, step)
@@ -97,17 +156,17 @@ class Meter:
         self.skipped += 1
         self.final["skipped_steps"] = self.skipped
         self.log({"train/skipped_steps": self.skipped}, step)
-        return False
 
-    def record(self, step: int, loss: float) -> None:
-        """Call after every step with its loss; logs at every `display_loss_steps`. A skipped
-        step's nan or inf loss counts for the throughput, not for the mean loss."""
+    def _add(self, loss: float) -> None:
+        """One more step in the display window; a skipped step's nan or inf loss counts for the
+        throughput, not for the mean loss."""
         if math.isfinite(loss):
             self._window_loss += loss
             self._window_losses += 1
         self._window_steps += 1
-        if not self.displaying(step):
-            return
+
+    def _display(self, step: int) -> None:
+        """Log the display window that ends at `step`: mean loss, throughput, step time, rate."""
         now, paused = time.perf_counter(), self.paused()
         seconds = now - self._window_start - self._excluded - (paused - self._paused_at_start)
         mean_loss = self._window_loss / self._window_losses if self._window_losses else math.nan

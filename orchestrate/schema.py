@@ -250,9 +250,10 @@ def target_of(node: DictConfig, key: str) -> Any:
         raise ConfigError(f"{key}._target_={node._target_}: cannot import it ({reason})") from None
 
 
-def build(node: DictConfig, key: str, *args: Any) -> Any:
+def build(node: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
     """`hydra.utils.instantiate` with errors that name the config key and the allowed keys. With
-    `args`, the target is `_partial_` and called with them (the optimizer, on the parameters)."""
+    `args`, the target is `_partial_` and called with them and `kwargs` (the optimizer, on the
+    parameters)."""
     target = target_of(node, key)
     parameters = inspect.signature(target).parameters
     # Leading parameters that `args` fill (the optimizer's params) are not config keys.
@@ -292,7 +293,7 @@ def build(node: DictConfig, key: str, *args: Any) -> Any:
     if not args:
         return built
     try:
-        return built(*args)
+        return built(*args, **kwargs)
     except Exception as e:  # torch.optim's own argument checks, or a value they did not expect
         raise ConfigError(refused(node, key, target, args, e)) from None
 

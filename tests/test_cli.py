@@ -104,7 +104,7 @@ BAD_INPUT = [
      "optimizer=adagrad)"),
     (["backend._target_=orchestrate.backends.torch.TorchBackend"],
      "backend.allow_spinning: unknown key for orchestrate.backends.torch.TorchBackend; allowed keys: name, "
-     "intra_op_threads; drop it with ~backend.allow_spinning"),
+     "intra_op_threads, fused_optimizer; drop it with ~backend.allow_spinning"),
 ]
 
 

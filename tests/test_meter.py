@@ -2,6 +2,7 @@
 the last step), nothing logged twice when a run is resumed."""
 
 import pytest
+import torch
 
 from orchestrate.meter import Meter
 from orchestrate.schema import TrainerConf
@@ -63,11 +64,53 @@ def test_skipped_steps_are_counted_and_left_out_of_the_mean_loss(tmp_path):
     meter = make_meter(tmp_path, max_steps=4, display_loss_steps=4, on_nonfinite="skip")
     for step in meter.steps():
         loss = float("nan") if step in (2, 3) else float(step)
-        meter.finite(step, loss)
-        meter.record(step, loss)
+        assert meter.record(step, loss) is (step in (2, 3))  # True: the update is dropped
     assert meter.history["train/skipped_steps"] == [(2, 1), (3, 2)]
     assert meter.history["train/loss"] == [(4, 2.5)]  # steps 1 and 4
     assert meter.summary()["skipped_steps"] == 2
+
+
+# ---- decided on the device: nothing read between reading steps, the same outcome ------------------
+def device_run(tmp_path, losses: dict[int, float], **trainer):
+    """Record `losses` (step -> value, 1.0 elsewhere) as tensors with on_device=True; returns the
+    meter and each step's answer (a tensor's value, or the host's bool at reading steps)."""
+    meter = make_meter(tmp_path, evaluation_period=0, checkpoint_period=0, **trainer)
+    answers = {}
+    for step in meter.steps():
+        held = meter.record(step, torch.tensor(losses.get(step, 1.0)), on_device=True)
+        answers[step] = float(held) if isinstance(held, torch.Tensor) else held
+    return meter, answers
+
+
+def test_on_the_device_a_nan_holds_every_update_after_it_and_stops_at_the_next_reading_step(tmp_path):
+    from orchestrate.meter import Diverged
+
+    meter = make_meter(tmp_path, max_steps=12, display_loss_steps=5, evaluation_period=0, checkpoint_period=0)
+    answers = {}
+    with pytest.raises(Diverged, match="^loss became nan at step 3$"):  # named, though read at step 5
+        for step in meter.steps():
+            held = meter.record(step, torch.tensor(float("nan") if step == 3 else 1.0), on_device=True)
+            answers[step] = held
+    assert meter.step == 5  # the reading step
+    assert [float(answers[s]) for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]  # step 4 is finite, held all the same
+    assert "train/loss" not in meter.history
+
+
+def test_on_the_device_skipped_steps_are_counted_at_their_own_steps(tmp_path):
+    meter, answers = device_run(tmp_path, {2: float("nan"), 3: float("inf"), 7: float("nan")}, max_steps=8,
+                                display_loss_steps=4, on_nonfinite="skip")
+    assert answers == {1: 0.0, 2: 1.0, 3: 1.0, 4: False, 5: 0.0, 6: 0.0, 7: 1.0, 8: False}
+    assert meter.history["train/skipped_steps"] == [(2, 1), (3, 2), (7, 3)]
+    assert meter.history["train/loss"] == [(4, 1.0), (8, 1.0)]  # the finite steps' mean
+    summary = meter.summary()
+    assert summary["skipped_steps"] == 3 and summary["train_loss"] == 1.0
+
+
+def test_on_the_device_the_window_means_are_the_hosts(tmp_path):
+    values = {s: float(s) for s in range(1, 11)}
+    meter, answers = device_run(tmp_path, values, max_steps=10, display_loss_steps=4)
+    assert meter.history["train/loss"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
+    assert [s for s, v in answers.items() if isinstance(v, bool)] == [4, 8, 10]  # read only there
 
 
 class StopAt:

@@ -77,8 +77,9 @@ class Backend(ABC):
           micro-batches inside `job.parallel.accumulating`), `job.parallel.all_reduce_`,
           `job.parallel.replica_metrics` and `job.parallel.agree`. A rank that stops before
           `max_steps` does so only when every rank does (`agree` on it first).
-        - Every rank calls `job.meter.finite` before each update (with the gradients about to be
-          applied: on the runner every rank decides from the all-reduced ones, alike).
+        - Every rank calls `job.meter.record` before each update and applies the update only as
+          its answer says (with the gradients about to be applied: on the runner every rank
+          decides from the all-reduced ones, alike).
         - Every rank calls `job.meter` (`steps`, `record`, `evaluate`, `log`) and
           `job.checkpoints.save` at the same steps: the meter logs to MLflow and the checkpoints
           are written only on the logging rank, and each rank reports to Ray Train on `save`.
@@ -175,3 +176,8 @@ class Parallel:
         rank's own loss (and gradient norm); `grads()` the gradients about to be applied. Alone,
         `finite` itself."""
         return finite
+
+    def hold(self, loss: torch.Tensor, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+        """`update_allowed` decided on the device, without waiting for it: a float flag, 1.0 to
+        hold the update (the fused optimizers' `found_inf`). Alone: this step's loss is nan or inf."""
+        return loss.isfinite().logical_not().float()

@@ -355,9 +355,10 @@ class OnDeviceBackend(Backend):
                 loss_sum += float(loss)
             grad_norm = sync.before_update(step, state)  # all-reduce the gradients across workers
             # A nan or inf loss stops the run here, before the weights change (or, with
-            # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
-            if meter.finite(step, loss_sum / K, grad_norm,
-                            grads=lambda: [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]):
+            # trainer.on_nonfinite=skip, drops this update): every rank decides alike. (ORT hands
+            # the loss back in host memory: reading it costs nothing.)
+            if not meter.record(step, loss_sum / K, grad_norm,
+                                grads=lambda: [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]):
                 optimizer.step()
             if scheduler is not None:
                 scheduler.step()
@@ -367,7 +368,6 @@ class OnDeviceBackend(Backend):
             module.lazy_reset_grad()
             sync.after_update(step, module)  # or average the parameters every N updates
 
-            meter.record(step, loss_sum / K)
             meter.evaluate(step, lambda: self.evaluate(module, job))
             job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt",
                                  export=export)

@@ -203,7 +203,7 @@ class ORTModuleBackend(TorchBackend):
         set_seed((job.trainer.seed * 2**32 + step) % 2**63)
 
     def make_optimizer(self, model: torch.nn.Module, job) -> torch.optim.Optimizer:
-        optimizer = job.make_optimizer(model.parameters())
+        optimizer = job.make_optimizer(model.parameters(), fused=self.fused_optimizer)
         if self.fp16_optimizer:
             from onnxruntime.training.optim.fp16_optimizer import FP16_Optimizer
 

@@ -12,7 +12,7 @@ ModelUpdateStep (forward, backward, AllReduce, optimizer step, schedule step). W
 
 import contextlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 
 from orchestrate import checkpoints, losses, ort
 from orchestrate.backends.base import Backend
+from orchestrate.prefetch import DeviceBatches
 from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
 
 
@@ -28,6 +29,9 @@ from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
 class TorchBackend(Backend):
     name: str
     intra_op_threads: Annotated[int, AT_LEAST_0]  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
+    # torch.optim's fused optimizer (one kernel for the update, Job.make_optimizer) unless
+    # optimizer.fused is set: it also skips a nan step's update on the device, so no step waits.
+    fused_optimizer: bool = field(default=True, kw_only=True)  # a default: a user's subclass file may leave it out
     resumable = True
     data_parallel = True
     precisions = ("fp32", "fp16", "bf16")
@@ -41,7 +45,7 @@ class TorchBackend(Backend):
         return model
 
     def make_optimizer(self, model: torch.nn.Module, job) -> torch.optim.Optimizer:
-        return job.make_optimizer(model.parameters())
+        return job.make_optimizer(model.parameters(), fused=self.fused_optimizer)
 
     def seed_step(self, step: int, job) -> None:
         """Before each step: nothing here (torch's generator state travels in the checkpoint)."""
@@ -75,19 +79,26 @@ class TorchBackend(Backend):
         def export(path: Path) -> None:  # the model as ONNX for inference: at checkpoints and at the end
             export_onnx(plain, job.data.sample_input().to(device), path, log_level=getattr(self, "log_level", "ERROR"))
 
+        # Nothing in a step waits for the device but at reading steps (display, evaluation,
+        # checkpoint: Meter.reads): the loss stays a tensor, the next batch is on its way
+        # (DeviceBatches), and a nan or inf loss holds the update on the device when the optimizer
+        # can skip it there (a fused torch.optim one); otherwise, and in fp16 (whose loss scaler
+        # reads its own overflow flag every step), the loss is read every step.
+        on_device = holds_on_device(optimizer) and not fp16
+        batches = DeviceBatches(job)
+        grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731 - the runner's guard reads them
         for step in meter.steps(start=done + 1):
             self.seed_step(step, job)
-            loss_sum = 0.0
+            loss_sum = None
             for micro in range(K):
-                x, y = job.train_batch(step, micro)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = batches.get(step, micro)
                 with parallel.accumulating(model, last=micro == K - 1):
                     with autocast:
                         loss = loss_fn(model(x), y)
                     if K > 1:  # the mean over the K micro-batches (no extra op on the usual path)
                         loss = loss / K
                     scaler.scale(loss).backward()
-                loss_sum += loss.item()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             display, grad_norm = meter.displaying(step), None
             if display:
                 scaler.unscale_(optimizer)  # the norms of the true gradients (a no-op in fp32)
@@ -95,16 +106,12 @@ class TorchBackend(Backend):
                 meter.log(found, step)
                 if not fp16:  # in fp16 an overflowing gradient is the loss scaler's to skip
                     grad_norm = found.get("train/grad_norm")
-            # A nan or inf loss stops the run here, before the weights change (or, with
-            # trainer.on_nonfinite=skip, drops this update): every rank decides alike.
-            if meter.finite(step, loss_sum, grad_norm, grads=lambda: [p.grad for p in model.parameters()]):
-                scaler.step(optimizer)
-                scaler.update()
+            # A nan or inf loss stops the run (or, with trainer.on_nonfinite=skip, drops this
+            # update) before the weights change: every rank decides alike.
+            update(optimizer, scaler, meter.record(step, loss_sum, grad_norm, grads, on_device=on_device))
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-
-            meter.record(step, loss_sum)
             if display:
                 meter.log(parallel.replica_metrics(model.parameters()), step)
             meter.evaluate(step, lambda: evaluate(plain, job))
@@ -121,6 +128,28 @@ class TorchBackend(Backend):
 
     def load_checkpoint(self, source: Path | bytes) -> dict:
         return checkpoints.load_torch(source)
+
+
+def holds_on_device(optimizer) -> bool:
+    """Whether `optimizer.step()` can skip an update on the device: torch.optim's fused
+    implementations take a `found_inf` flag (GradScaler's overflow flag) and skip when it is 1.0."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def update(optimizer, scaler, held) -> None:
+    """The step's update unless `held` (Meter.record) holds it: True skips it here; a flag on the
+    device goes to the fused optimizer as its `found_inf`, which skips it there (its step count too)."""
+    if held is True:
+        return
+    if held is False:
+        scaler.step(optimizer)
+        scaler.update()
+        return
+    optimizer.grad_scale, optimizer.found_inf = None, held
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, trainer):

@@ -51,6 +51,15 @@ class Workers(Parallel):
         found = [g for g in grads() if g is not None]
         return not found or bool(torch.isfinite(torch.nn.utils.get_total_norm(found)))
 
+    def hold(self, loss: torch.Tensor, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+        """`update_allowed` on the device: a nan or inf in the all-reduced gradients, the same flag
+        on every rank without a collective of its own. (Parameter averaging, which has no such
+        exchange, is the on-device engine's, whose loop decides on the host.)"""
+        found = [g for g in grads() if g is not None]
+        if not found:
+            return torch.zeros((), device=loss.device)
+        return torch.nn.utils.get_total_norm(found).isfinite().logical_not().float()
+
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker (one MIN all-reduce of one int)."""
         value = torch.tensor([1 if flag else 0], device=self.device)
