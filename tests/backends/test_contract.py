@@ -152,37 +152,46 @@ def test_backend_config_names_itself(trained):
 
 
 # ---- a diverging run stops (or skips), on every backend ------------------------------------------
-def diverging(backend: str, tmp_path, request, *overrides: str):
+def diverging(backend: str, tmp_path, request, *overrides: str, display: int = 1):
     """10 steps of which the batches from step 7 on are nan (the runner: rank 0's share of 2
-    workers only); a checkpoint every 3 steps."""
+    workers only); a checkpoint every 3 steps. Displayed every step, every step is read on the
+    host; displayed every 4, the PyTorch loops decide steps 5, 7 and 10 on the device and learn of
+    the nan at step 8."""
     if backend_target(backend).distributed:
         request.getfixturevalue("ray_shared")
         overrides = ("trainer.num_workers=2", "trainer.batch_size=32", *overrides)
     cfg = load_config([f"backend={backend}", "data=synthetic", "data._target_=tests.helpers.NanFrom",
-                           "+data.start=6", "trainer=quick", "trainer.max_steps=10", "trainer.display_loss_steps=1",
+                           "+data.start=6", "trainer=quick", "trainer.max_steps=10", f"trainer.display_loss_steps={display}",
                            "trainer.evaluation_period=0", "trainer.checkpoint_period=3", "trainer.max_num_checkpoints=5",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
     return cfg
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_diverging_run_stops_at_that_step_failed_with_the_checkpoint_before_it(backend, tmp_path, request):
+# Each backend, displayed every step and every 4 (the runner's second case in the full suite).
+DISPLAYS = [pytest.param(b, d, marks=[pytest.mark.slow] if backend_target(b).distributed and d > 1 else [])
+            for b in BACKENDS for d in (1, 4)]
+
+
+@pytest.mark.parametrize(("backend", "display"), DISPLAYS)
+def test_a_diverging_run_stops_at_that_step_failed_with_the_checkpoint_before_it(backend, display, tmp_path, request):
     from orchestrate.meter import Diverged
 
     with pytest.raises(Diverged, match="^loss became nan at step 7$"):
-        app.train(diverging(backend, tmp_path, request), tmp_path / "out")
+        app.train(diverging(backend, tmp_path, request, display=display), tmp_path / "out")
     client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
     [run] = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["error"] == "loss became nan at step 7"
-    assert [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")] == list(range(1, 7))  # all finite
+    logged = [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")]
+    assert logged == (list(range(1, 7)) if display == 1 else [4])  # all finite
     kept = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*"))
     assert [k.split(".")[0] for k in kept] == ["step_0000003", "step_0000006"]  # none after the nan
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.slow] if backend_target(b).distributed else [])
-                                     for b in BACKENDS])
-def test_a_run_that_skips_non_finite_steps_drops_their_updates_and_counts_them(backend, tmp_path, request):
-    result = app.train(diverging(backend, tmp_path, request, "trainer.on_nonfinite=skip"), tmp_path / "out")
+@pytest.mark.parametrize(("backend", "display"), [pytest.param(
+    b, d, marks=[pytest.mark.slow] if backend_target(b).distributed else []) for b in BACKENDS for d in (1, 4)])
+def test_a_run_that_skips_non_finite_steps_drops_their_updates_and_counts_them(backend, display, tmp_path, request):
+    result = app.train(diverging(backend, tmp_path, request, "trainer.on_nonfinite=skip", display=display),
+                       tmp_path / "out")
     client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
     assert client.get_run(result.run_id).info.status == "FINISHED"
     assert metric_steps(client, result.run_id, "train/skipped_steps") == [(s, s - 6.0) for s in range(7, 11)]
