@@ -10,6 +10,8 @@ final/samples_per_sec, final/step_time_ms, final/wall_time_s.
 """
 
 import logging
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -17,10 +19,12 @@ from typing import Any
 
 from orchestrate.redact import redact_text
 from orchestrate.tracking import datasets, models
-from orchestrate.tracking.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Outbox, cause, server_away, upload
+from orchestrate.tracking.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Model, Outbox, cause
 from orchestrate.tracking.settings import quick_http, set_env
 
 log = logging.getLogger(__name__)
+
+STAGING = ".mlflow_outbox"  # the run's files waiting in its outbox, in its output folder
 
 
 class RunLogger:
@@ -36,6 +40,10 @@ class RunLogger:
         self.env_before = quick_http()
         unsent = Path(out_dir or tempfile.gettempdir()) / (UNSENT_FILE if out_dir else f"{run_id}-{UNSENT_FILE}")
         self.outbox = Outbox(self.client, run_id, redact_text(uri), unsent)
+        # Files waiting in the outbox (RunLogger.stage), beside the unsent file: those it could not
+        # send are named there, for `orchestrate sync`.
+        self.staging = unsent.parent / f"{STAGING}-{run_id[:8]}"
+        self.staged = 0
         self.last_eval: dict[str, Any] = {}  # the last evaluation's points: the trained model's metrics
         self.eval_dataset: tuple[str, str] | None = None  # (name, digest) of the eval split, once known
 
@@ -63,14 +71,23 @@ class RunLogger:
 
     def log_model(self, path: Path, sample, step: int, register: "models.Registration | None" = None,
                   name: str = "model") -> str | None:
-        """The model at `path` as an MLflow LoggedModel (orchestrate.tracking.models); a store that
-        does not take it does not fail the run: the file stays in the output folder."""
+        """The trained model at `path` as an MLflow LoggedModel (orchestrate.tracking.models), now:
+        the end of the run. A store that does not take it does not fail the run: the file stays
+        in the output folder."""
         self.outbox.flush()  # the last evaluation's points are in the store before the model links them
         try:
-            return models.log_model(self, path, sample, step, register, name)
+            return models.log_model(self.client, self.run_id, path, sample, step, register, name,
+                                    tuple(self.last_eval.values()), self.eval_dataset)
         except Exception as e:  # noqa: BLE001 - the run trained; only its MLflow model is missing
             log.warning(f"{path} was not logged as an MLflow model ({cause(e)}); it stays in the output folder")
             return None
+
+    def log_checkpoint_model(self, path: Path, sample, step: int, name: str) -> None:
+        """A checkpoint's model (ONNX at `path`, which may be removed once this returns) as the
+        LoggedModel `name`, through the outbox: training goes on at once, and the model is logged
+        after everything logged before it (its evaluation's points among them)."""
+        self.outbox.put([Model(str(self.stage(path)), sample, step, name, tuple(self.last_eval.values()),
+                               self.eval_dataset)])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -84,18 +101,24 @@ class RunLogger:
         self._upload(folder, artifact_path)
 
     def _upload(self, path: Path, artifact_path: str | None) -> None:
-        """Upload now (the file may be replaced soon: checkpoints rotate); while the server is away,
-        or when it does not answer, the outbox uploads it later. Training goes on either way."""
-        artifact = Artifact(str(path), artifact_path)
-        if not self.outbox.away:
-            try:
-                upload(self.client, self.run_id, artifact)
-                return
-            except Exception as e:  # noqa: BLE001 - an upload never stops training
-                if not server_away(e):
-                    log.warning(f"{path} was not uploaded to MLflow ({cause(e)}); it stays in the output folder")
-                    return
-        self.outbox.put([artifact])
+        """Through the outbox, after everything logged before it: training never waits for an
+        upload, nor for a server that is away. A file is staged first: a checkpoint rotated away
+        meanwhile, or a temporary folder removed, still goes up."""
+        self.outbox.put([Artifact(str(self.stage(Path(path))), artifact_path, staged=True)])
+
+    def stage(self, path: Path) -> Path:
+        """Links to the file (or the folder's files) at `path`, copies where the file system refuses
+        links, under a folder of their own in the run's outbox folder: uploaded under their own
+        names, whatever happens to `path` meanwhile; the outbox removes them once sent."""
+        self.staged += 1
+        folder = self.staging / f"{self.staged:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / path.name
+        if path.is_dir():
+            shutil.copytree(path, target, copy_function=link_or_copy)
+        else:
+            link_or_copy(path, target)
+        return target
 
     def logged_history(self) -> dict[str, list[tuple[int, float]]]:
         """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its
@@ -112,6 +135,22 @@ class RunLogger:
         """The end of logging: send what is left (waiting up to `wait_s` for a server that is
         away), and give MLflow's HTTP settings back. True when everything was sent."""
         try:
-            return self.outbox.close(wait_s)
+            return self.end_outbox(wait_s)
         finally:
             set_env(self.env_before)
+
+    def end_outbox(self, wait_s: float = END_WAIT_S) -> bool:
+        """Send what is left, waiting up to `wait_s` for a server that is away (Outbox.close); the
+        staged files go once everything was sent. True when it was."""
+        sent = self.outbox.close(wait_s)
+        if sent:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        return sent
+
+
+def link_or_copy(source, target) -> None:
+    """A hard link (free, and the file survives its original's removal); a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

@@ -30,18 +30,17 @@ class Registration:
         return than is None or (value < than if self.minimize else value > than)
 
 
-def log_model(logger, path: Path, sample: np.ndarray, step: int, register: Registration | None = None,
-              name: str = "model") -> str:
-    """`path` (an ONNX model) as a READY LoggedModel `name` of the logger's run, output at `step`,
-    the evaluation at that step (if there was one) linked to it; registered as `register` says.
-    Returns the model's id."""
+def log_model(client, run_id: str, path: Path, sample: np.ndarray, step: int, register: Registration | None = None,
+              name: str = "model", evaluation=(), eval_dataset: tuple[str, str] | None = None) -> str:
+    """`path` (an ONNX model) as a READY LoggedModel `name` of run `run_id`, output at `step`;
+    the points of `evaluation` (MLflow Metrics) logged at that step, if any, linked to it with the
+    eval split `eval_dataset` (name, digest); registered as `register` says. Returns its id."""
     import mlflow.onnx
     import onnx
     import onnxruntime
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model, infer_signature
 
-    client, run_id = logger.client, logger.run_id
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     output = session.run(None, {session.get_inputs()[0].name: sample})[0]
     experiment_id = client.get_run(run_id).info.experiment_id
@@ -69,9 +68,9 @@ def log_model(logger, path: Path, sample: np.ndarray, step: int, register: Regis
     # The last evaluation's points again, with the model and the eval split named: the same key,
     # value, step and time are one point in the run's history, now also the model's metrics.
     linked = [m.__class__(m.key, m.value, m.timestamp, m.step, model_id=model.model_id,
-                          dataset_name=logger.eval_dataset[0] if logger.eval_dataset else None,
-                          dataset_digest=logger.eval_dataset[1] if logger.eval_dataset else None)
-              for m in logger.last_eval.values() if m.step == step]  # a checkpoint between evaluations: none
+                          dataset_name=eval_dataset[0] if eval_dataset else None,
+                          dataset_digest=eval_dataset[1] if eval_dataset else None)
+              for m in evaluation if m.step == step]  # a checkpoint between evaluations: none
     if linked:
         client.log_batch(run_id, metrics=linked)
     if register is not None:

@@ -1,6 +1,6 @@
-"""The run's outbox: what a run logs to MLflow while it trains (metrics, tags, artifacts that could
-not be uploaded at once) is sent by one background thread, in the order it was logged, so that
-training never waits for the tracking server. Points wait up to a second (LINGER_S) for others,
+"""The run's outbox: what a run logs to MLflow while it trains (metrics, tags, checkpoint files and
+their models) is sent by one background thread, in the order it was logged, so that training never
+waits for the tracking server, nor for an upload. Points wait up to a second (LINGER_S) for others,
 so that one request carries many display steps; flushing (before a checkpoint counts) and the end
 of the run send at once.
 
@@ -22,8 +22,10 @@ import logging
 import re
 import threading
 import time
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,26 @@ UNSENT_FILE = "mlflow_unsent.jsonl"
 
 @dataclass(frozen=True)
 class Artifact:
-    """An upload that failed while the server was away: tried again from the outbox."""
+    """A file (or folder) to upload to the run's `artifact_path`. `staged`: a link made for the
+    outbox (RunLogger.stage), removed once sent."""
 
     path: str
     artifact_path: str | None
+    staged: bool = False
+
+
+@dataclass(frozen=True)
+class Model:
+    """A checkpoint's model to log as a LoggedModel (orchestrate.tracking.models.log_model): its
+    ONNX file (staged), the sample batch for its signature, its step and name, and the evaluation
+    points at that step to link to it, as they were when the checkpoint was written."""
+
+    path: str
+    sample: Any
+    step: int
+    name: str
+    evaluation: tuple = ()
+    eval_dataset: tuple[str, str] | None = None
 
 
 def cause(error: BaseException) -> str:
@@ -149,12 +167,19 @@ class Outbox:
             self.items.clear()
         self.thread.join(timeout=1.0)  # a request in flight may take its own timeout: not waited for
         logging.getLogger("urllib3.connectionpool").removeFilter(self.quiet)
+        models = [item for item in unsent if isinstance(item, Model)]
+        unsent = [item for item in unsent if not isinstance(item, Model)]
+        for model in models:
+            release(model)
         if unsent:
             self._write(unsent)
         if unsent or self.spilled:
             log.warning(f"MLflow at {self.uri} did not take {len(unsent) + self.spilled} item(s) of run {self.run_id} "
                         f"(metrics, tags, artifacts to upload): they are in {self.unsent_file}, one JSON object a line")
-        return not unsent and not self.spilled
+        if models:
+            log.warning(f"MLflow at {self.uri} did not take the LoggedModels of {len(models)} checkpoint(s) of run "
+                        f"{self.run_id} ({', '.join(m.name for m in models)}); their checkpoint files are kept")
+        return not unsent and not self.spilled and not models
 
     def _run(self) -> None:
         while True:
@@ -171,7 +196,7 @@ class Outbox:
                     return  # close() has taken the items over (the last batch may have arrived too)
                 if error is None or not server_away(error):
                     for _ in batch:
-                        self.items.popleft()
+                        release(self.items.popleft())
                     if error is not None:
                         if not self.refused:  # once: sending it again would not change the answer
                             log.warning(f"MLflow at {self.uri} refused {len(batch)} item(s) of run {self.run_id}:"
@@ -202,13 +227,13 @@ class Outbox:
         """The items at the front that one request takes: one artifact, or metrics and tags up to
         MLflow's limits for a batch."""
         first = self.items[0]
-        if isinstance(first, Artifact):
+        if isinstance(first, (Artifact, Model)):
             return [first]
         from mlflow.entities import Metric
 
         batch, metrics, tags = [], 0, 0
         for item in self.items:
-            if isinstance(item, Artifact):
+            if isinstance(item, (Artifact, Model)):
                 break
             is_metric = isinstance(item, Metric)
             if (metrics + is_metric > MAX_METRICS) or (tags + (not is_metric) > MAX_TAGS):
@@ -223,6 +248,12 @@ class Outbox:
         try:
             if isinstance(batch[0], Artifact):
                 upload(self.client, self.run_id, batch[0])
+            elif isinstance(batch[0], Model):
+                from orchestrate.tracking import models
+
+                item = batch[0]
+                models.log_model(self.client, self.run_id, Path(item.path), item.sample, item.step, name=item.name,
+                                 evaluation=item.evaluation, eval_dataset=item.eval_dataset)
             else:
                 self.client.log_batch(self.run_id, metrics=[m for m in batch if isinstance(m, Metric)],
                                       tags=[t for t in batch if not isinstance(t, Metric)], synchronous=True)
@@ -231,9 +262,14 @@ class Outbox:
         return None
 
     def _write(self, items: list) -> None:
+        """Append `items` to the unsent file; a checkpoint's model has no line there (its
+        checkpoint file has), and its staged file goes."""
         self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.unsent_file, "a") as f:
             for item in items:
+                if isinstance(item, Model):
+                    release(item)
+                    continue
                 f.write(json.dumps(to_row(self.run_id, item)) + "\n")
 
 
@@ -270,6 +306,12 @@ def read_unsent(path: Path) -> dict[str, list]:
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{number}: not a line the outbox writes ({type(e).__name__}: {e})") from None
     return by_run
+
+
+def release(item) -> None:
+    """Remove a sent item's staged file (its folder of its own, RunLogger.stage)."""
+    if isinstance(item, Model) or (isinstance(item, Artifact) and item.staged):
+        shutil.rmtree(Path(item.path).parent, ignore_errors=True)
 
 
 class ThreadFilter(logging.Filter):

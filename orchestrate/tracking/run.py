@@ -82,7 +82,7 @@ class Run(RunLogger):
             self._record(cfg, plan, run, tags)
         except BaseException:
             if self.outbox is not None:
-                self.outbox.close()
+                self.end_outbox()
             set_env(env_before)
             raise
         self.env_before = env_before  # RunLogger's own found the settings made already
@@ -166,7 +166,7 @@ class Run(RunLogger):
         try:
             if self.monitor is not None:
                 self.monitor.finish()  # its last points, before the run ends
-            self.outbox.close()  # bounded: a server still away gets END_WAIT_S, then the file
+            self.end_outbox()  # bounded: a server still away gets END_WAIT_S, then the file
         finally:
             try:
                 self.client.set_terminated(self.run_id, status)

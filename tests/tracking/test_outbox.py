@@ -52,28 +52,36 @@ def test_a_server_that_goes_away_mid_run_gets_every_step_exactly_once(make_cfg, 
     away = threading.Event()
     said = Said("does not answer", away)
     logging.getLogger("orchestrate.tracking.outbox").addHandler(said)
-    OUTAGE.update(server=first, stop_at=60, restart_at=120, away=away,
+    OUTAGE.update(server=first, stop_at=60, restart_at=170, away=away,
                   start=lambda: MlflowServer(store, artifacts, port=first.port, log=log))
     try:
         with caplog.at_level(logging.WARNING, logger="orchestrate"):
             result = app.train(make_cfg("data._target_=tests.tracking.test_outbox.OutageData", "trainer.max_steps=200",
                                         "trainer.display_loss_steps=1", "trainer.evaluation_period=50",
-                                        "trainer.checkpoint_period=50", "trainer.max_num_checkpoints=4", uri=first.uri), tmp_path / "out")
+                                        "trainer.checkpoint_period=50", "trainer.max_num_checkpoints=1", uri=first.uri), tmp_path / "out")
         client = client_for(first.uri)
         run = client.get_run(result.run_id)
         assert run.info.status == "FINISHED"
         for key in ("train/loss", "lr", "perf/step_time_ms", "perf/samples_per_sec"):
             assert [s for s, _ in metric_steps(client, result.run_id, key)] == list(range(1, 201)), key
         assert [s for s, _ in metric_steps(client, result.run_id, "eval/loss")] == [50, 100, 150, 200]
-        # Logged while the server was away (steps 61 to 120): the values the run computed.
+        # Logged while the server was away (steps 61 to 170): the values the run computed.
         assert metric_steps(client, result.run_id, "train/loss") == result.history["train/loss"]
-        # The checkpoint saved during the outage was uploaded once the server was back.
+        # The checkpoints saved during the outage were uploaded once the server was back, step 100's
+        # too, though it was rotated away on disk at step 150 (one kept) while the server was away.
         uploaded = [a.path for a in client.list_artifacts(result.run_id, "checkpoints")]
-        assert "checkpoints/step_0000100.pt" in uploaded and "checkpoints/step_0000200.pt" in uploaded
+        assert uploaded == [f"checkpoints/step_{s:07d}.pt" for s in (50, 100, 150, 200)]
+        # So was the checkpoint's model: every checkpoint a LoggedModel at its step, the last the run's.
+        models = {o.step: client.get_logged_model(o.model_id).name for o in run.outputs.model_outputs}
+        assert models == {50: "checkpoint-50", 100: "checkpoint-100", 150: "checkpoint-150", 200: "model"}
         said_away = [r for r in caplog.records if "does not answer" in r.getMessage()]
         said_back = [r for r in caplog.records if "answers again" in r.getMessage()]
         assert len(said_away) == 1 and len(said_back) == 1, caplog.text
         assert first.uri in said_away[0].getMessage() and not (tmp_path / "out" / UNSENT_FILE).exists()
+        # Nothing else about it: no retries of urllib3, no model "not logged" (the outbox waited).
+        others = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r not in said_away + said_back]
+        assert others == [], others
+        assert not any((tmp_path / "out").glob(".mlflow_outbox*"))  # every staged file sent and removed
     finally:
         logging.getLogger("orchestrate.tracking.outbox").removeHandler(said)
         OUTAGE.pop("server").stop()
