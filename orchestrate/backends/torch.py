@@ -82,9 +82,9 @@ class TorchBackend(Backend):
         # Nothing in a step waits for the device but at reading steps (display, evaluation,
         # checkpoint: Meter.reads): the loss stays a tensor, the next batch is on its way
         # (DeviceBatches), and a nan or inf loss holds the update on the device when the optimizer
-        # can skip it there (a fused torch.optim one); otherwise, and in fp16 (whose loss scaler
-        # reads its own overflow flag every step), the loss is read every step.
-        on_device = holds_on_device(optimizer) and not fp16
+        # can skip it there (a fused torch.optim one: `update`); with any other optimizer the loss
+        # is read every step.
+        on_device = holds_on_device(optimizer)
         batches = DeviceBatches(job)
         grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731 - the runner's guard reads them
         for step in meter.steps(start=done + 1):
@@ -138,18 +138,24 @@ def holds_on_device(optimizer) -> bool:
 
 def update(optimizer, scaler, held) -> None:
     """The step's update unless `held` (Meter.record) holds it: True skips it here; a flag on the
-    device goes to the fused optimizer as its `found_inf`, which skips it there (its step count too)."""
+    device goes to the fused optimizer as its `found_inf`, which skips it there (its step count
+    too). In fp16 the loss scaler hands the optimizer its own overflow flag: this one joins it
+    (and, as for an overflow, the scale backs off)."""
     if held is True:
         return
-    if held is False:
-        scaler.step(optimizer)
-        scaler.update()
+    if held is not False and not scaler.is_enabled():
+        optimizer.grad_scale, optimizer.found_inf = None, held
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
         return
-    optimizer.grad_scale, optimizer.found_inf = None, held
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf
+    if held is not False:
+        scaler.unscale_(optimizer)  # its overflow flags, per device (GradScaler keeps them by optimizer)
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            torch.maximum(found, held.to(found.device), out=found)
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, trainer):

@@ -65,3 +65,27 @@ def test_a_loop_whose_optimizer_cannot_skip_on_the_device_reads_every_step(tmp_p
                          "trainer.checkpoint_period=0", "+optimizer.fused=false"], tmp_path)
     assert job.meter.history["train/loss"][-1][1] < job.meter.history["train/loss"][0][1]
     assert all("item" in seen.get(step, ()) for step in (5, 6, 7)), seen
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "loss scaler"])
+@pytest.mark.parametrize("held", [0.0, 1.0])
+def test_a_flag_on_the_device_holds_the_fused_optimizer_s_update(scaled, held):
+    """`update` with a device flag: 1.0 leaves weights, moments and step count as they were; 0.0
+    updates. With the loss scaler (fp16 on CUDA; its CPU twin here) the flag joins its overflow
+    flag, and a held step backs the scale off as an overflow would."""
+    from orchestrate.backends.torch import holds_on_device, update
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, enabled=scaled)
+    assert holds_on_device(optimizer) and not holds_on_device(torch.optim.AdamW(model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    update(optimizer, scaler, torch.tensor(held))
+    unchanged = [torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    assert unchanged == [held == 1.0] * 2
+    assert float(optimizer.state[model.weight]["step"]) == 1.0 - held
+    assert not hasattr(optimizer, "found_inf")  # handed over for this step only
+    if scaled:
+        assert scaler.get_scale() == (2.0 if held else 4.0)
