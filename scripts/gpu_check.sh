@@ -7,10 +7,16 @@
 # Hydra, MLflow and the rest of the pure-Python stack travel as wheels in .whl/ (fetched here with
 # ../shared/gpu/fetch-wheels.sh); they go into a temporary folder, not into the machine's Python.
 #
-# Usage, from the project root on the GPU machine:  bash scripts/gpu_check.sh [max_steps]
+# Then benchmarks/gpu_loop.py: orchestrate's loop against a fast hand-written one (fp32 with TF32 off
+# and on, bf16, fp16; the shipped 2-layer GPT at batch 64 and a 6-layer one at batch 256), after
+# checking that no step between reading steps synchronizes with the host
+# (torch.cuda.set_sync_debug_mode("error")); the check's failure is this script's exit code.
+#
+# Usage, from the project root on the GPU machine:  bash scripts/gpu_check.sh [max_steps] [runs|loop|all]
 # Prints one table row per run; copies the runs' MLflow store and the log to $OUT when set.
 set -u
 steps=${1:-500}
+parts=${2:-all}
 site=$(mktemp -d); work=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
@@ -21,6 +27,8 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {tor
 EOF
 python3 -c "import sklearn" 2>/dev/null && mlp="model=mlp data=digits" || mlp="model=mlp data=synthetic"
 gpt="model=char_transformer data=python_source"
+rc=0
+if [ "$parts" != loop ]; then
 echo "| model | device | precision | steps | wall s | samples/s | final train loss | eval loss |"
 echo "|---|---|---|---:|---:|---:|---:|---:|"
 i=0
@@ -44,5 +52,11 @@ for model in "$mlp" "$gpt"; do
     fi
   done
 done
+fi
+if [ "$parts" != runs ]; then
+  echo
+  python3 benchmarks/gpu_loop.py --check-syncs --repeats 1 2> "$work/gpu_loop.log" || rc=1
+  [ -n "${OUT:-}" ] && cp "$work/gpu_loop.log" "$OUT/"
+fi
 if [ -n "${OUT:-}" ]; then cp "$work/gpu.db" "$work/all.log" "$OUT/" 2>/dev/null; fi
-exit 0
+exit $rc
