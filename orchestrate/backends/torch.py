@@ -170,9 +170,10 @@ def norms(model: torch.nn.Module, scaler=None) -> dict[str, float]:
     """Gradient and parameter norms (and the fp16 loss scale), logged at display steps."""
     params = [p.detach() for p in model.parameters()]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    out = {"train/param_norm": torch.nn.utils.get_total_norm(params).item()}
+    found = {"train/param_norm": torch.nn.utils.get_total_norm(params)}
     if grads:
-        out["train/grad_norm"] = torch.nn.utils.get_total_norm(grads).item()
+        found["train/grad_norm"] = torch.nn.utils.get_total_norm(grads)
+    out = dict(zip(found, torch.stack([v.float() for v in found.values()]).tolist()))  # one read of both
     if scaler is not None:
         out["train/loss_scale"] = scaler.get_scale()
     return out
