@@ -83,8 +83,8 @@ class Checkpoints:
                 if export is not None and self.sample is not None and step < self.trainer.max_steps:
                     with tempfile.TemporaryDirectory() as tmp:
                         export(Path(tmp) / "model.onnx")  # the weights of this step: exported now
-                        self.tracker.log_checkpoint_model(Path(tmp) / "model.onnx", self.sample(), step,
-                                                          name=f"checkpoint-{step}")
+                        self.tracker.log_model(Path(tmp) / "model.onnx", self.sample(), step,
+                                               name=f"checkpoint-{step}")
         if self.on_save is not None:
             self.on_save(step, path)
         self.seconds += time.perf_counter() - began

@@ -70,24 +70,13 @@ class RunLogger:
                 log.warning(f"the data was not logged as the run's inputs ({cause(e)})")
 
     def log_model(self, path: Path, sample, step: int, register: "models.Registration | None" = None,
-                  name: str = "model") -> str | None:
-        """The trained model at `path` as an MLflow LoggedModel (orchestrate.tracking.models), now:
-        the end of the run. A store that does not take it does not fail the run: the file stays
-        in the output folder."""
-        self.outbox.flush()  # the last evaluation's points are in the store before the model links them
-        try:
-            return models.log_model(self.client, self.run_id, path, sample, step, register, name,
-                                    tuple(self.last_eval.values()), self.eval_dataset)
-        except Exception as e:  # noqa: BLE001 - the run trained; only its MLflow model is missing
-            log.warning(f"{path} was not logged as an MLflow model ({cause(e)}); it stays in the output folder")
-            return None
-
-    def log_checkpoint_model(self, path: Path, sample, step: int, name: str) -> None:
-        """A checkpoint's model (ONNX at `path`, which may be removed once this returns) as the
-        LoggedModel `name`, through the outbox: training goes on at once, and the model is logged
-        after everything logged before it (its evaluation's points among them)."""
+                  name: str = "model") -> None:
+        """The model at `path` (ONNX; it may be removed once this returns) as the MLflow LoggedModel
+        `name` (orchestrate.tracking.models), through the outbox: training goes on at once, and the
+        model is logged after everything logged before it, its evaluation's points among them. A
+        store that does not take it does not fail the run (the outbox says so)."""
         self.outbox.put([Model(str(self.stage(path)), sample, step, name, tuple(self.last_eval.values()),
-                               self.eval_dataset)])
+                               self.eval_dataset, register)])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag

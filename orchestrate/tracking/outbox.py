@@ -53,9 +53,9 @@ class Artifact:
 
 @dataclass(frozen=True)
 class Model:
-    """A checkpoint's model to log as a LoggedModel (orchestrate.tracking.models.log_model): its
-    ONNX file (staged), the sample batch for its signature, its step and name, and the evaluation
-    points at that step to link to it, as they were when the checkpoint was written."""
+    """A model to log as a LoggedModel (orchestrate.tracking.models.log_model): its ONNX file
+    (staged), the sample batch for its signature, its step and name, the evaluation points at that
+    step to link to it as they were when it was exported, and where to register it (or None)."""
 
     path: str
     sample: Any
@@ -63,6 +63,7 @@ class Model:
     name: str
     evaluation: tuple = ()
     eval_dataset: tuple[str, str] | None = None
+    register: Any = None  # orchestrate.tracking.models.Registration
 
 
 def cause(error: BaseException) -> str:
@@ -102,6 +103,7 @@ class Outbox:
         self.urgent = 0  # callers of flush() or close() waiting: send without lingering
         self.spilled = 0  # items written straight to the file (the memory limit was reached)
         self.refused = 0  # items the server answered with an error (HTTP 4xx): not sent again
+        self.sent = 0  # items done with (taken or refused): the end of the run waits while this grows
         self.thread = threading.Thread(target=self._run, name=f"mlflow-outbox-{run_id[:8]}", daemon=True)
         # urllib3 says "Retrying ..." for each failed try of each request: not from this thread,
         # which says once that the server is away and once that it is back.
@@ -146,8 +148,9 @@ class Outbox:
                 self.urgent -= 1
 
     def close(self, wait_s: float = END_WAIT_S) -> bool:
-        """The end of the run: send what is left, waiting up to `wait_s` for a server that is away;
-        write what is still unsent to the file, and say so. True when everything was sent."""
+        """The end of the run: send what is left, waiting up to `wait_s` for a server that is away
+        (or for as long as the server keeps taking items, `wait_s` at a time); write what is still
+        unsent to the file, and say so. True when everything was sent."""
         atexit.unregister(self.close)
         deadline = time.monotonic() + wait_s
         with self.cond:
@@ -158,8 +161,20 @@ class Outbox:
             if self.away and self.items:
                 log.warning(f"MLflow at {self.uri} is still away at the end of the run: waiting up to "
                             f"{wait_s:.0f} s for it to take the {len(self.items)} kept item(s)")
-            while self.items and (left := deadline - time.monotonic()) > 0:
-                self.cond.wait(left)
+            sent_before = self.sent
+            while self.items:
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self.cond.wait(left)
+                    continue
+                if self.away or self.sent == sent_before:
+                    break  # nothing went out for `wait_s`: the server is away, or stuck
+                # The server takes them, more slowly than they came (a LoggedModel is a dozen
+                # requests): wait on, as long again, for as long as it takes some.
+                models = sum(isinstance(item, Model) for item in self.items)
+                log.warning(f"MLflow at {self.uri} is still taking run {self.run_id}'s last {len(self.items)} item(s)"
+                            f"{f' ({models} LoggedModel(s))' if models else ''}: waiting on while it does")
+                sent_before, deadline = self.sent, time.monotonic() + wait_s
             self.stopped = True
             self.done.set()
             self.cond.notify_all()
@@ -177,8 +192,10 @@ class Outbox:
             log.warning(f"MLflow at {self.uri} did not take {len(unsent) + self.spilled} item(s) of run {self.run_id} "
                         f"(metrics, tags, artifacts to upload): they are in {self.unsent_file}, one JSON object a line")
         if models:
-            log.warning(f"MLflow at {self.uri} did not take the LoggedModels of {len(models)} checkpoint(s) of run "
-                        f"{self.run_id} ({', '.join(m.name for m in models)}); their checkpoint files are kept")
+            names = [m.name for m in models]
+            named = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]}"
+            log.warning(f"MLflow at {self.uri} did not take {len(models)} LoggedModel(s) of run {self.run_id} "
+                        f"({named}); their files stay in the output folder (the checkpoints, model.onnx)")
         return not unsent and not self.spilled and not models
 
     def _run(self) -> None:
@@ -197,6 +214,7 @@ class Outbox:
                 if error is None or not server_away(error):
                     for _ in batch:
                         release(self.items.popleft())
+                    self.sent += len(batch)
                     if error is not None:
                         if not self.refused:  # once: sending it again would not change the answer
                             log.warning(f"MLflow at {self.uri} refused {len(batch)} item(s) of run {self.run_id}:"
@@ -252,8 +270,8 @@ class Outbox:
                 from orchestrate.tracking import models
 
                 item = batch[0]
-                models.log_model(self.client, self.run_id, Path(item.path), item.sample, item.step, name=item.name,
-                                 evaluation=item.evaluation, eval_dataset=item.eval_dataset)
+                models.log_model(self.client, self.run_id, Path(item.path), item.sample, item.step, item.register,
+                                 item.name, item.evaluation, item.eval_dataset)
             else:
                 self.client.log_batch(self.run_id, metrics=[m for m in batch if isinstance(m, Metric)],
                                       tags=[t for t in batch if not isinstance(t, Metric)], synchronous=True)
