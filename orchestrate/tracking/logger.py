@@ -116,8 +116,9 @@ class RunLogger:
         return {k: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
 
     def flush(self) -> bool:
-        """Wait until everything logged so far is in the store, unless the server is away (then
-        training does not wait: the outbox keeps it). True when everything was sent."""
+        """Wait until every metric and tag logged so far is in the store (files and models follow
+        on their own), unless the server is away (then training does not wait: the outbox keeps
+        them). True when they were all sent."""
         return self.outbox.flush()
 
     def close(self, wait_s: float = END_WAIT_S) -> bool:

@@ -95,7 +95,12 @@ class Outbox:
 
     def __init__(self, client, run_id: str, uri: str, unsent_file: Path):
         self.client, self.run_id, self.uri, self.unsent_file = client, run_id, uri, Path(unsent_file)
-        self.items: collections.deque = collections.deque()  # Metric, RunTag or Artifact, as logged
+        # Two queues, each in the order logged: metrics and tags go first whenever some wait (a
+        # checkpoint waits for them: Outbox.flush); files and models when none do. A model is thus
+        # logged after the evaluation points it links (logged before it), and a backlog of models
+        # (an outage's) never holds the metrics back.
+        self.records: collections.deque = collections.deque()  # Metric, RunTag
+        self.files: collections.deque = collections.deque()  # Artifact, Model
         self.cond = threading.Condition()
         self.away_since: float | None = None  # when the server stopped answering; None: it answers
         self.stopped = False
@@ -118,32 +123,39 @@ class Outbox:
     def away(self) -> bool:
         return self.away_since is not None
 
+    @property
+    def waiting(self) -> int:
+        """Items not sent yet."""
+        return len(self.records) + len(self.files)
+
     def put(self, items: list) -> None:
         with self.cond:
-            if len(self.items) + len(items) > KEPT_LIMIT:
+            if self.waiting + len(items) > KEPT_LIMIT:
                 if not self.spilled:
                     log.warning(f"MLflow at {self.uri} has been away too long: more than {KEPT_LIMIT} items are "
                                 f"kept; later ones are written to {self.unsent_file} only")
                 self._write(items)
                 self.spilled += len(items)
                 return
-            self.items.extend(items)
+            for item in items:
+                (self.files if isinstance(item, (Artifact, Model)) else self.records).append(item)
             self.cond.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until everything put so far has been sent, unless the server is away: then return
-        at once (training does not wait for it; the items stay kept). True when all was sent."""
+        """Wait until every metric and tag put so far has been sent (not the files and models,
+        which go after them anyway), unless the server is away: then return at once (training
+        does not wait for it; the items stay kept). True when they were all sent."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
             self.urgent += 1
             self.cond.notify_all()
             try:
-                while self.items and not self.away and not self.stopped:
+                while self.records and not self.away and not self.stopped:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         break
                     self.cond.wait(left)
-                return not self.items
+                return not self.records
             finally:
                 self.urgent -= 1
 
@@ -155,14 +167,14 @@ class Outbox:
         deadline = time.monotonic() + wait_s
         with self.cond:
             if self.stopped:
-                return not self.items and not self.spilled
+                return not self.waiting and not self.spilled
             self.urgent += 1  # never decremented: nothing lingers after the end
             self.cond.notify_all()
-            if self.away and self.items:
+            if self.away and self.waiting:
                 log.warning(f"MLflow at {self.uri} is still away at the end of the run: waiting up to "
-                            f"{wait_s:.0f} s for it to take the {len(self.items)} kept item(s)")
+                            f"{wait_s:.0f} s for it to take the {self.waiting} kept item(s)")
             sent_before = self.sent
-            while self.items:
+            while self.waiting:
                 left = deadline - time.monotonic()
                 if left > 0:
                     self.cond.wait(left)
@@ -171,15 +183,16 @@ class Outbox:
                     break  # nothing went out for `wait_s`: the server is away, or stuck
                 # The server takes them, more slowly than they came (a LoggedModel is a dozen
                 # requests): wait on, as long again, for as long as it takes some.
-                models = sum(isinstance(item, Model) for item in self.items)
-                log.warning(f"MLflow at {self.uri} is still taking run {self.run_id}'s last {len(self.items)} item(s)"
+                models = sum(isinstance(item, Model) for item in self.files)
+                log.warning(f"MLflow at {self.uri} is still taking run {self.run_id}'s last {self.waiting} item(s)"
                             f"{f' ({models} LoggedModel(s))' if models else ''}: waiting on while it does")
                 sent_before, deadline = self.sent, time.monotonic() + wait_s
             self.stopped = True
             self.done.set()
             self.cond.notify_all()
-            unsent = list(self.items)
-            self.items.clear()
+            unsent = [*self.records, *self.files]
+            self.records.clear()
+            self.files.clear()
         self.thread.join(timeout=1.0)  # a request in flight may take its own timeout: not waited for
         logging.getLogger("urllib3.connectionpool").removeFilter(self.quiet)
         models = [item for item in unsent if isinstance(item, Model)]
@@ -201,7 +214,7 @@ class Outbox:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.items and not self.stopped:
+                while not self.waiting and not self.stopped:
                     self.cond.wait()
                 self._linger()
                 if self.stopped:
@@ -212,8 +225,9 @@ class Outbox:
                 if self.stopped:
                     return  # close() has taken the items over (the last batch may have arrived too)
                 if error is None or not server_away(error):
+                    queue = self.files if isinstance(batch[0], (Artifact, Model)) else self.records
                     for _ in batch:
-                        release(self.items.popleft())
+                        release(queue.popleft())
                     self.sent += len(batch)
                     if error is not None:
                         if not self.refused:  # once: sending it again would not change the answer
@@ -222,7 +236,7 @@ class Outbox:
                         self.refused += len(batch)
                     elif self.away:
                         log.warning(f"MLflow at {self.uri} answers again after {time.time() - self.away_since:.0f} s:"
-                                    f" sending the {len(self.items) + len(batch)} item(s) kept meanwhile")
+                                    f" sending the {self.waiting + len(batch)} item(s) kept meanwhile")
                         self.away_since = None
                 elif not self.away:
                     self.away_since = time.time()
@@ -237,22 +251,19 @@ class Outbox:
         someone waits for them to be sent, one request's worth is there already, or the server is
         away (the pause between attempts is RETRY_S)."""
         until = time.monotonic() + LINGER_S
-        while (not self.stopped and not self.urgent and not self.away and len(self.items) < MAX_METRICS
-               and (left := until - time.monotonic()) > 0):
+        while (not self.stopped and not self.urgent and not self.away and not self.files
+               and len(self.records) < MAX_METRICS and (left := until - time.monotonic()) > 0):
             self.cond.wait(left)
 
     def _next_batch(self) -> list:
-        """The items at the front that one request takes: one artifact, or metrics and tags up to
-        MLflow's limits for a batch."""
-        first = self.items[0]
-        if isinstance(first, (Artifact, Model)):
-            return [first]
+        """What one request takes, left at the front of its queue until sent: metrics and tags up
+        to MLflow's limits for a batch whenever some wait, else the first file or model."""
+        if not self.records:
+            return [self.files[0]]
         from mlflow.entities import Metric
 
         batch, metrics, tags = [], 0, 0
-        for item in self.items:
-            if isinstance(item, (Artifact, Model)):
-                break
+        for item in self.records:
             is_metric = isinstance(item, Metric)
             if (metrics + is_metric > MAX_METRICS) or (tags + (not is_metric) > MAX_TAGS):
                 break
