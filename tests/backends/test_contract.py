@@ -167,9 +167,14 @@ def diverging(backend: str, tmp_path, request, *overrides: str, display: int = 1
     return cfg
 
 
-# Each backend, displayed every step and every 4 (the runner's second case in the full suite).
-DISPLAYS = [pytest.param(b, d, marks=[pytest.mark.slow] if backend_target(b).distributed and d > 1 else [])
-            for b in BACKENDS for d in (1, 4)]
+# Each backend, displayed every step and every 4 (the second case of the backends that run
+# another's loop, auto and the runner, in the full suite).
+def displays(slow_if=lambda backend, display: False):
+    return [pytest.param(b, d, marks=[pytest.mark.slow] if slow_if(b, d) or (d > 1 and (
+        backend_target(b).distributed or backend_target(b).chooses)) else []) for b in BACKENDS for d in (1, 4)]
+
+
+DISPLAYS = displays()
 
 
 @pytest.mark.parametrize(("backend", "display"), DISPLAYS)
@@ -187,8 +192,7 @@ def test_a_diverging_run_stops_at_that_step_failed_with_the_checkpoint_before_it
     assert [k.split(".")[0] for k in kept] == ["step_0000003", "step_0000006"]  # none after the nan
 
 
-@pytest.mark.parametrize(("backend", "display"), [pytest.param(
-    b, d, marks=[pytest.mark.slow] if backend_target(b).distributed else []) for b in BACKENDS for d in (1, 4)])
+@pytest.mark.parametrize(("backend", "display"), displays(slow_if=lambda b, d: backend_target(b).distributed))
 def test_a_run_that_skips_non_finite_steps_drops_their_updates_and_counts_them(backend, display, tmp_path, request):
     result = app.train(diverging(backend, tmp_path, request, "trainer.on_nonfinite=skip", display=display),
                        tmp_path / "out")

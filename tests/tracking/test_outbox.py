@@ -78,8 +78,10 @@ def test_a_server_that_goes_away_mid_run_gets_every_step_exactly_once(make_cfg, 
         said_back = [r for r in caplog.records if "answers again" in r.getMessage()]
         assert len(said_away) == 1 and len(said_back) == 1, caplog.text
         assert first.uri in said_away[0].getMessage() and not (tmp_path / "out" / UNSENT_FILE).exists()
-        # Nothing else about it: no retries of urllib3, no model "not logged" (the outbox waited).
-        others = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r not in said_away + said_back]
+        # Nothing else about it but, if the run ended first, that its end waits for the server: no
+        # retries of urllib3, no model "not logged" (the outbox waited).
+        others = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r not in said_away + said_back
+                  and "is still away at the end of the run" not in r.getMessage()]
         assert others == [], others
         assert not any((tmp_path / "out").glob(".mlflow_outbox*"))  # every staged file sent and removed
     finally:
