@@ -207,9 +207,13 @@ class Job:
         as GradScaler uses it), so that the loop's divergence guard never waits for the device."""
         node = self.cfg.optimizer
         target = schema.target_of(node, "optimizer")
+        params = list(params)
         if (fused and "fused" not in node and target.__module__.startswith("torch.optim")
                 and "fused" in inspect.signature(target).parameters):
-            return schema.build(node, "optimizer", params, fused=True)
+            try:
+                return schema.build(node, "optimizer", params, fused=True)
+            except schema.ConfigError:  # parameters the fused kernels do not take: the plain one
+                pass
         return schema.build(node, "optimizer", params)
 
     def train_batch(self, step: int, micro: int = 0):

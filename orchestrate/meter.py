@@ -32,12 +32,18 @@ class Diverged(RuntimeError):
         self.what, self.value, self.step = what, value, step
 
 
+def nonfinite(loss):
+    """1.0 where the loss tensor is nan or inf, else 0.0, as a float tensor on its device, computed
+    there (nothing waits): the flag a fused optimizer reads as its `found_inf`."""
+    return loss.isfinite().logical_not().float()
+
+
 class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
                  update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite,
                  agree: Callable[[bool], bool] = lambda flag: flag,
-                 hold: Callable[[Any, Callable], Any] = lambda loss, grads: loss.isfinite().logical_not().float()):
+                 hold: Callable[[Any, Callable], Any] = lambda loss, grads: nonfinite(loss)):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
         self.tracker = tracker  # orchestrate.tracking.logger.RunLogger, or None (not tracked, or not rank 0)
@@ -110,8 +116,7 @@ class Meter:
             held = self.hold(loss, grads)  # decided on the device: nothing is read here
             if self.trainer.on_nonfinite == NonFinite.stop:  # every update after a bad one is held too
                 held = self._held = held if self._held is None else self._held.maximum(held)
-            self._unread.append((step, loss, held))
-            self._window_steps += 1
+            self._unread.append((step, loss, held))  # counted in the window when read
             return held
         if not isinstance(loss, (float, int)):  # a tensor
             loss = self._read(loss)  # one wait for the device: the steps since the last read, and this one
@@ -129,7 +134,6 @@ class Meter:
 
         unread, self._unread, self._held = self._unread, [], None
         values = torch.stack([t.float() for _, lo, h in unread for t in (lo, h)] + [loss.float()]).tolist()
-        self._window_steps -= len(unread)  # counted when recorded; counted again below, with their losses
         for i, (step, _, _) in enumerate(unread):
             self._add(values[2 * i])
             if values[2 * i + 1]:  # held: this rank's loss (or another rank's, or a gradient) was not finite

@@ -20,19 +20,20 @@ class DeviceBatches:
         self.micro_steps = job.trainer.gradient_accumulation_steps
         self.last_step = job.trainer.max_steps
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.ahead: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # the next batch, being copied
+        self.ahead: tuple[tuple[int, int], tuple[torch.Tensor, ...]] | None = None  # (step, micro), batch: copying
 
     def get(self, step: int, micro: int = 0) -> tuple[torch.Tensor, ...]:
         if self.stream is None:
             return self.job.train_batch(step, micro)
-        batch = self.ahead.pop((step, micro), None) or self._send(step, micro)
+        ahead, self.ahead = self.ahead, None
+        batch = ahead[1] if ahead is not None and ahead[0] == (step, micro) else self._send(step, micro)
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.stream)  # the step's kernels start after the copy, on the device
         for tensor in batch:
             tensor.record_stream(current)  # its memory is not reused before the step is done with it
         following = (step, micro + 1) if micro + 1 < self.micro_steps else (step + 1, 0)
         if following[0] <= self.last_step:
-            self.ahead[following] = self._send(*following)
+            self.ahead = following, self._send(*following)
         return batch
 
     def _send(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from orchestrate.meter import nonfinite
+
 
 class Backend(ABC):
     """A way to train: the config's `backend` group builds one (its keys are the fields of the
@@ -180,4 +182,4 @@ class Parallel:
     def hold(self, loss: torch.Tensor, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
         """`update_allowed` decided on the device, without waiting for it: a float flag, 1.0 to
         hold the update (the fused optimizers' `found_inf`). Alone: this step's loss is nan or inf."""
-        return loss.isfinite().logical_not().float()
+        return nonfinite(loss)

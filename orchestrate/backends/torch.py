@@ -133,14 +133,15 @@ class TorchBackend(Backend):
 def holds_on_device(optimizer) -> bool:
     """Whether `optimizer.step()` can skip an update on the device: torch.optim's fused
     implementations take a `found_inf` flag (GradScaler's overflow flag) and skip when it is 1.0."""
-    return getattr(optimizer, "_step_supports_amp_scaling", False)
+    return bool(getattr(optimizer, "defaults", {}).get("fused"))
 
 
 def update(optimizer, scaler, held) -> None:
     """The step's update unless `held` (Meter.record) holds it: True skips it here; a flag on the
     device goes to the fused optimizer as its `found_inf`, which skips it there (its step count
-    too). In fp16 the loss scaler hands the optimizer its own overflow flag: this one joins it
-    (and, as for an overflow, the scale backs off)."""
+    too). In fp16 the loss scaler hands the optimizer its own overflow flag, from the gradients: a
+    held step's first gradient is made nan (on the device, an addition of 0 otherwise), so the
+    scaler skips it and, as for an overflow, backs the scale off."""
     if held is True:
         return
     if held is not False and not scaler.is_enabled():
@@ -151,9 +152,8 @@ def update(optimizer, scaler, held) -> None:
             del optimizer.grad_scale, optimizer.found_inf
         return
     if held is not False:
-        scaler.unscale_(optimizer)  # its overflow flags, per device (GradScaler keeps them by optimizer)
-        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            torch.maximum(found, held.to(found.device), out=found)
+        grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+        grad.add_(torch.where(held.to(grad.device) > 0, float("nan"), 0.0).to(grad.dtype))
     scaler.step(optimizer)
     scaler.update()
 

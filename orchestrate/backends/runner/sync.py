@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrate.backends.base import Parallel
+from orchestrate.meter import nonfinite
 
 
 class Workers(Parallel):
@@ -48,17 +49,16 @@ class Workers(Parallel):
         parameter averaging there is no such exchange each step: the ranks agree on the flag."""
         if self.average_every:
             return self.agree(finite)
-        found = [g for g in grads() if g is not None]
-        return not found or bool(torch.isfinite(torch.nn.utils.get_total_norm(found)))
+        return not self.hold(None, grads).item()
 
-    def hold(self, loss: torch.Tensor, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+    def hold(self, loss: torch.Tensor | None, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
         """`update_allowed` on the device: a nan or inf in the all-reduced gradients, the same flag
         on every rank without a collective of its own. (Parameter averaging, which has no such
         exchange, is the on-device engine's, whose loop decides on the host.)"""
         found = [g for g in grads() if g is not None]
         if not found:
-            return torch.zeros((), device=loss.device)
-        return torch.nn.utils.get_total_norm(found).isfinite().logical_not().float()
+            return torch.zeros((), device=self.device)
+        return nonfinite(torch.nn.utils.get_total_norm(found))
 
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker (one MIN all-reduce of one int)."""
