@@ -11,12 +11,15 @@ COMMANDS = {
     "doctor": "orchestrate.doctor",  # will this stack work? one line per check
     "sync": "orchestrate.sync",  # send what a run kept while its MLflow server was away
     "slurm-ray": "orchestrate.slurm_ray",  # in an sbatch script: Ray across the allocation, then the runner on it
+    "up": "orchestrate.stack",  # the warm local stack: a Ray head and an MLflow server, left running
+    "down": "orchestrate.stack:main_down",  # ... stopped
 }
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        raise SystemExit(importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:]))
+        module, _, function = COMMANDS[sys.argv[1]].partition(":")
+        raise SystemExit(getattr(importlib.import_module(module), function or "main")(sys.argv[2:]))
     from orchestrate import cli
 
     cli.main()

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, errors, plots, process, schema
+from orchestrate import checkpoints, errors, plots, process, schema, stack
 from orchestrate.job import Job
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
@@ -179,7 +179,8 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
 
         if any(result.out_dir.glob(WORKER_LOG.format(rank="*"))):
             lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
-    if not in_sweep:  # a sweep's trial: the sweep's summary says where to look
+    if not in_sweep:  # a sweep's trial: the sweep's summary says where to look (and how it started)
+        lines.append(f"  {'start':<18} {stack.start_line(job.ray, None)}")
         lines.append(f"  {open_ui(cfg.tracking.uri)}")
     print("\n".join(lines), flush=True)
 

@@ -129,6 +129,7 @@ class Job:
     # Every RNG state right after the model was built from the seed: a run that takes over the
     # job its command checked (`moved_to`) starts from them, as if it had built the model itself.
     rng_after_build: dict | None = None
+    ray: str | None = None  # how the run got its Ray (orchestrate.ray_cluster.how): warm, cold, cluster; None: none
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,

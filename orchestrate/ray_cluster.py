@@ -7,7 +7,9 @@ Two Ray behaviours shape `init` (Ray 2.60, measured here):
 - a local Ray swaps 127.0.0.1 for the machine's network address (even when told
   `_node_ip_address="127.0.0.1"`) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before `import ray`;
   with it every port Ray opens is bound to 127.0.0.1.
-`ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined.
+`ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined. With no address at
+all, the warm head `orchestrate up` left running (orchestrate.stack) is joined before a new local
+instance is started: the same command, warm.
 
 Two things Ray prints say nothing to act on, and stay off the console: lines its own processes
 print that `RAY_NOISE` names (they stay in those processes' log files, in the session's
@@ -19,18 +21,20 @@ are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot b
 `PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
+import contextlib
 import importlib
 import logging
 import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 LOOPBACK = ("127.0.0.1", "localhost")
 EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_background`
 _LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
 _EARLY: "_EarlyStart | None" = None  # a start begun by `init_in_background`, not yet taken by `init`
+_WARM = None  # the address of the warm head (`orchestrate up`) `init` joined, while joined
 
 
 class RayUnavailable(ValueError):
@@ -55,7 +59,15 @@ def init(address: str | None, key: str, **local_options) -> bool:
 
 
 def _start(address: str | None, key: str, **local_options) -> bool:
+    global _WARM
     address = address or os.environ.get("RAY_ADDRESS")
+    warm = None
+    if address is None and not _initialized():
+        from orchestrate import stack
+
+        warm = address = stack.ray_address()
+        if warm is not None:
+            os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head's mode (its token: Ray's default file)
     local = address is None or address.split("://")[-1].split(":")[0] in LOOPBACK
     if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -81,15 +93,53 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
-            ray.init(address="local", **options, **local_options)
+            port = _free_port()
+            with _environment(RAY_GCS_SERVER_PORT=str(port)):  # Ray's own variable: the new head's port
+                ray.init(address="local", runtime_env=_knows_its_cluster(f"127.0.0.1:{port}", local), **options,
+                         **local_options)
+            _WARM = None
             global _LOCAL_SESSION
             _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
         else:
-            ray.init(address=address, **options)
+            ray.init(address=address, runtime_env=_knows_its_cluster(address, local), **options)
+            _WARM = warm
     except ConnectionError as e:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                              "auto, or the address of a running cluster") from None
     return True
+
+
+def _knows_its_cluster(address: str, local: bool) -> dict | None:
+    """The job's runtime environment: RAY_ADDRESS set in its workers to the cluster they run on.
+    Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's State API about the run's
+    controller with no address; with two Ray instances on the machine (a user's own `ray start`
+    beside this one) that lookup finds both, warns "Found multiple active Ray instances" every
+    second, and asks the other one, where the controller is unknown: the cleaner could then remove
+    the running workers' placement group. Only for a cluster on this machine (a local instance or
+    a loopback address); a remote cluster is the user's to configure."""
+    if not local or "://" in address or address == "auto":
+        return None
+    return {"env_vars": {"RAY_ADDRESS": address}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # Lines Ray relays from its own processes to this driver's console that say nothing to act on;
@@ -216,11 +266,35 @@ def starting() -> bool:
 
 
 def can_grow() -> bool:
-    """False for the local instance `init` started in this process (no autoscaler: what it has
-    is all it will ever have); True for a cluster that was joined, which may autoscale."""
+    """False for the local instance `init` started in this process and for the warm head (no
+    autoscaler: what they have is all they will ever have); True for a cluster that was joined,
+    which may autoscale."""
     import ray
 
-    return not (ray.is_initialized() and _LOCAL_SESSION == ray.get_runtime_context().get_job_id())
+    if not ray.is_initialized():
+        return True
+    return not (_LOCAL_SESSION == ray.get_runtime_context().get_job_id() or _WARM is not None)
+
+
+def how() -> str | None:
+    """How this process got its Ray: "warm" (joined the head `orchestrate up` left running),
+    "cold" (a local instance started for this command), "cluster" (an address it was given);
+    None when Ray is not initialized."""
+    if not _initialized():
+        return None
+    import ray
+
+    if _WARM is not None:
+        return "warm"
+    return "cold" if _LOCAL_SESSION == ray.get_runtime_context().get_job_id() else "cluster"
+
+
+def warm_address() -> str | None:
+    return _WARM
+
+
+def _initialized() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def reachable(address: str, key: str, timeout_s: float = 5.0) -> None:

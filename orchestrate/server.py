@@ -75,11 +75,12 @@ class MlflowServer:
     """`mlflow server` in front of `store_uri`, artifacts served from `artifacts` (a folder or a
     bucket URI), started and ready (/health answers) when the constructor returns; with
     `wait=False` started only, `wait_healthy` waits (a sweep starts its server while it checks
-    its trials). `log`: where its output goes (None: this console)."""
+    its trials). `log`: where its output goes (None: this console). `detached`: in a session of its
+    own, stopped by Linux when the starting thread ends unless `outlive` (`orchestrate up`'s)."""
 
     def __init__(self, store_uri: str, artifacts: str | Path, host: str = "127.0.0.1", port: int | None = None,
                  log: IO | None = None, timeout_s: float = HEALTH_TIMEOUT_S, wait: bool = True,
-                 detached: bool = False):
+                 detached: bool = False, outlive: bool = False):
         self.port = port or free_port(host)
         self.artifacts = artifacts
         self.uri = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
@@ -99,7 +100,7 @@ class MlflowServer:
             # detached (a sweep's own server): out of the terminal's process group, so that Ctrl-C
             # stops the sweep, which then writes its summary through the server and stops it; and
             # sent SIGTERM by Linux should the process that started it die without stopping it.
-            start_new_session=detached, preexec_fn=_die_with_parent if detached else None)
+            start_new_session=detached, preexec_fn=_die_with_parent if detached and not outlive else None)
         self.healthy = False
         if wait:
             try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import plots
+from orchestrate import plots, ray_cluster, stack
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
@@ -88,6 +88,7 @@ class Sweep:
         self.settings = settings
         self.began = time.time()
         self.server = None
+        self.server_warm = None  # whether the sweep's server was the warm stack's; None: it had none
         uri = absolute_uri(settings.tracking_uri)
         new_sqlite_store(uri)
         if own_server(uri, settings.tracking_server):
@@ -101,6 +102,9 @@ class Sweep:
 
             began = time.perf_counter()
             self.server = headstart.take_server(uri)  # started by the command line, while it checked the trials
+            if self.server is None and (warm := _server.warm_server(uri)) is not None:
+                _server.prepare_store(uri, settings.experiment)
+                self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running
             if self.server is None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = _server.TrackingServer(uri, Path("mlartifacts").resolve())
@@ -212,7 +216,8 @@ class Sweep:
             first = min(r.start_ms for r in ran) / 1000 - self.began
             timing += f"; the first started {first:.1f} s after the sweep began"
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
-              f"{text}\n{timing}\n{open_ui(self.settings.tracking_uri)}", flush=True)
+              f"{text}\n{timing}\nstart: {stack.start_line(ray_cluster.how(), self.server_warm)}\n"
+              f"{open_ui(self.settings.tracking_uri)}", flush=True)
 
     def log_chart(self, rows: list[_summary.Row]) -> None:
         curves = {}
@@ -236,5 +241,7 @@ class Sweep:
 
     def stop_server(self) -> None:
         server, self.server = self.server, None
+        if server is not None:
+            self.server_warm = server.warm
         if server is not None:
             server.stop()

@@ -23,10 +23,47 @@ def prepare_store(sqlite_uri: str, experiment: str) -> None:
 
     client = MlflowClient(tracking_uri=sqlite_uri)
     training_experiment(client, experiment)
-    # Write-ahead logging: readers (the sweep's summary, the UI) no longer block the writer. The
-    # setting is stored in the database file.
+    write_ahead(sqlite_uri)
+
+
+def write_ahead(sqlite_uri: str) -> None:
+    """Write-ahead logging: readers (the sweep's summary, the UI) no longer block the writer. The
+    setting is stored in the database file."""
     with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as db:
         db.execute("PRAGMA journal_mode=WAL")
+
+
+class WarmServer:
+    """The warm stack's MLflow server (`orchestrate up`, orchestrate.stack) in front of the sweep's
+    store: used as the sweep's own would be, never stopped by it."""
+
+    warm = True
+
+    def __init__(self, uri: str, artifacts: str):
+        self.uri, self.artifacts = uri, Path(artifacts)
+
+    def answers(self, timeout_s: float = 2.0) -> bool:
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"{self.uri}/health", timeout=timeout_s).close()
+            return True
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def warm_server(sqlite_uri: str) -> WarmServer | None:
+    """The warm stack's server, if it fronts `sqlite_uri` and answers."""
+    from orchestrate import stack
+
+    found = stack.server_for(sqlite_uri)
+    return WarmServer(found, stack.found().artifacts) if found else None
 
 
 class TrackingServer(MlflowServer):
@@ -34,6 +71,8 @@ class TrackingServer(MlflowServer):
     temporary log file (kept, and named, only when the server failed). Many trials writing to one
     SQLite file at once fail ("database is locked", schema races); one server serialises their
     writes. With `wait=False` the server is only started: `wait_healthy` waits for it."""
+
+    warm = False
 
     def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)

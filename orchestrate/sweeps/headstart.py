@@ -70,6 +70,10 @@ def _start_server(cfg: DictConfig) -> list[Path]:
     if is_slurm(cfg):
         return []  # refused by _runs.Sweep with its own message
 
+    from orchestrate.sweeps._server import warm_server
+
+    if warm_server(uri) is not None:
+        return []  # the warm stack's server fronts this store (`orchestrate up`): `_runs.Sweep` uses it
     path = Path(uri.removeprefix("sqlite:///"))
     made = [] if path.exists() else [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
     new_sqlite_store(uri)

@@ -49,7 +49,7 @@ from typing import Annotated, Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import ort, process, ray_cluster, schema
+from orchestrate import ort, process, ray_cluster, schema, stack
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.meter import Diverged
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
@@ -188,9 +188,11 @@ class RunnerBackend(Backend):
             except ray_cluster.RayUnavailable as e:
                 raise ConfigError(str(e)) from None
         wanted = t.num_workers * self.cpus_per_worker
-        if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > (os.cpu_count() or 1):
+        warm = stack.found() if self.ray_address is None and "RAY_ADDRESS" not in os.environ else None
+        have, where = (warm.num_cpus, "the warm Ray head (orchestrate up)") if warm else (os.cpu_count() or 1, "this machine")
+        if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > have:
             raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
-                              f"{self.cpus_per_worker} asks for {wanted:g} CPUs; this machine has {os.cpu_count()}")
+                              f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
 
     @classmethod
     @contextlib.contextmanager
@@ -198,7 +200,7 @@ class RunnerBackend(Backend):
         """A new local Ray (no `ray_address`, no RAY_ADDRESS) starts on a thread of its own while
         the command checks the config: `connect` then waits for it instead of starting one (about
         4 s of start-up overlapped). A refused config shuts it down."""
-        if node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ:
+        if node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or stack.ray_address():
             yield
             return
         ray_environment()
@@ -218,6 +220,7 @@ class RunnerBackend(Backend):
             started = ray_cluster.init(self.ray_address, "backend.ray_address")
         except ray_cluster.RayUnavailable as e:
             raise ConfigError(str(e)) from None
+        job.ray = ray_cluster.how()  # for the summary: warm (orchestrate up), cold or a cluster
         process.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
         stopped = _STOPPED_RUNS.set([])
         try:

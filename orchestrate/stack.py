@@ -1,0 +1,351 @@
+"""`orchestrate up` / `orchestrate down`: the warm local stack, Ray's and MLflow's own answer to
+start-up costs (start a cluster once, run one server), made the fast path on one machine.
+
+    orchestrate up                  # a Ray head and the MLflow server in front of ./mlflow.db, left running
+    orchestrate up --num-cpus 8     # the head's logical CPUs (default: this machine's)
+    orchestrate up --status         # what is up, in one line (exit 1 when nothing is)
+    orchestrate down                # stop both
+
+Without it every sweep starts an MLflow server and a local Ray, and every runner command a local
+Ray, then stops them again: seconds of start-up per command. With it the same commands, typed the
+same way, find the stack by themselves:
+- Ray: a command with no address of its own (no `backend.ray_address` or `hydra.launcher.address`,
+  no RAY_ADDRESS) joins the head recorded here instead of starting a local instance;
+- MLflow: a sweep whose SQLite store the server fronts writes through it instead of starting a
+  server of its own (single runs write to the file directly, as before).
+Each command's summary says which way it ran (`warm` or `cold`).
+
+The record is `stack.json` in the user's state folder ($ORCHESTRATE_STATE_DIR, else
+$XDG_STATE_HOME/orchestrate, else ~/.local/state/orchestrate; private to the user). A record
+whose head or server no longer answers is noticed with a socket connect (well under a second) and
+ignored with one line, never waited on. Both listen on 127.0.0.1 only; Ray's token
+authentication is on, its token file (Ray's default, ~/.ray/auth_token) readable by the user only;
+the head keeps its files in a temp folder of its own, so a user's own `ray start` (Ray's /tmp/ray
+and the address file there) and this head never meet, and `orchestrate down` stops this head's
+processes only (`ray stop` would stop every Ray on the machine).
+
+This module imports nothing else of orchestrate at import time: `ray_cluster` (which the Hydra
+launcher plugin uses alone) asks it for the head.
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120  # the head's `ray start`, the server's /health (a new store: its migrations)
+STOP_TIMEOUT_S = 30  # each process, after SIGTERM (then SIGKILL)
+ANSWER_TIMEOUT_S = 0.5  # a recorded head or server that does not accept a connection by then is gone
+# What Ray's processes read from the environment they start in; the head's processes are the
+# workers' parents, so a warm head needs what a local instance started by a command gets.
+HEAD_ENVIRONMENT = {
+    "RAY_AUTH_MODE": "token",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every port on 127.0.0.1 (orchestrate.ray_cluster)
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # `down` need not wait for Ray Train's detached actors
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",  # as orchestrate.backends.runner.driver.ray_environment
+}
+
+
+def state_dir() -> Path:
+    if os.environ.get("ORCHESTRATE_STATE_DIR"):
+        return Path(os.environ["ORCHESTRATE_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "orchestrate"
+
+
+def record_path() -> Path:
+    return state_dir() / "stack.json"
+
+
+@dataclass
+class Stack:
+    """What `orchestrate up` started: the Ray head (its `ray start --block` process, which stops
+    the node's processes when it ends) and the MLflow server, each by process id."""
+
+    ray_address: str  # 127.0.0.1:PORT, the head's GCS
+    ray_pid: int
+    ray_temp_dir: str
+    ray_version: str
+    num_cpus: int
+    store: str  # sqlite:////abs/path/mlflow.db, the store the server fronts
+    server_uri: str  # http://127.0.0.1:PORT
+    server_pid: int
+    artifacts: str
+
+    def ray_answers(self) -> bool:
+        return _answers(self.ray_address) and _alive(self.ray_pid)
+
+    def server_answers(self) -> bool:
+        return _answers(self.server_uri.removeprefix("http://")) and _alive(self.server_pid)
+
+    def describe(self) -> str:
+        return (f"Ray {self.ray_version} at {self.ray_address} ({self.num_cpus} CPUs, token auth) and the MLflow "
+                f"server {self.server_uri} in front of {self.store}")
+
+
+def _answers(hostport: str) -> bool:
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT_S).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the number
+        return False
+
+
+def _read() -> Stack | None:
+    try:
+        return Stack(**json.loads(record_path().read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+_SAID: set[str] = set()  # stale records already reported by this process (one line each)
+
+
+def found() -> Stack | None:
+    """The stack `orchestrate up` left running, if its head answers; a record whose head is gone
+    is reported once (one warning line) and ignored."""
+    stack = _read()
+    if stack is None:
+        return None
+    if stack.ray_answers():
+        return stack
+    path = str(record_path())
+    if path not in _SAID:
+        _SAID.add(path)
+        log.warning(f"the warm stack recorded in {path} is gone (nothing answers at {stack.ray_address}); "
+                    "ignoring it: this command starts what it needs itself (`orchestrate up` starts the stack again)")
+    return None
+
+
+def ray_address() -> str | None:
+    """The warm head's address, if one answers."""
+    stack = found()
+    return stack.ray_address if stack else None
+
+
+def server_for(store_uri: str) -> str | None:
+    """The warm MLflow server's URI if it fronts `store_uri` (an absolute sqlite:/// URI) and answers."""
+    stack = _read()
+    if stack is None or stack.store != store_uri:
+        return None
+    if stack.server_answers():
+        return stack.server_uri
+    log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; this sweep starts its own "
+                "(`orchestrate down` then `orchestrate up` starts the stack again)")
+    return None
+
+
+def start_line(ray: str | None, server: bool | None) -> str:
+    """The summary's line on how a command started: `ray` as orchestrate.ray_cluster.how() says
+    (warm, cold, cluster; None: no Ray), `server` whether the sweep's MLflow server was the warm
+    stack's (None: no server of its own)."""
+    warm = [what for what, yes in (("the Ray head", ray == "warm"), ("the MLflow server", server is True)) if yes]
+    cold = [what for what, yes in (("a local Ray", ray == "cold"), ("an MLflow server", server is False)) if yes]
+    if ray == "cluster":
+        warm.append("the Ray cluster it was given")
+    if not warm and not cold:
+        return "one process: no Ray and no server to keep warm"
+    said = []
+    if warm:
+        said.append(f"warm: joined {' and '.join(warm)}" + (" that `orchestrate up` keeps running"
+                                                             if ray == "warm" or server else ""))
+    if cold:
+        said.append(f"cold: started {' and '.join(cold)} for this command, stopped at its end "
+                    "(`orchestrate up` keeps them running between commands)")
+    return "; ".join(said)
+
+
+# ---- up and down ---------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _private_token() -> None:
+    """Ray's default token file, made if missing, readable by the user only."""
+    from ray._private.authentication.authentication_token_setup import (
+        _get_default_token_path, generate_and_save_token)
+
+    path = _get_default_token_path()
+    if not path.exists() and not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        old = os.umask(0o077)
+        try:
+            generate_and_save_token()
+        finally:
+            os.umask(old)
+    if path.exists():
+        path.chmod(0o600)
+
+
+def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str]:
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="orchestrate-ray-", dir="/tmp")  # short: Ray's socket paths are limited
+    env = {**os.environ, **HEAD_ENVIRONMENT}
+    head_log = open(folder / "ray-head.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+        env=env, stdout=head_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)  # its own process group: Ctrl-C in this terminal later does not reach it
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Ray runtime started" not in (folder / "ray-head.log").read_text(errors="replace"):
+        if proc.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with code {proc.returncode}; its output: "
+                               f"{folder / 'ray-head.log'}")
+        if time.monotonic() > deadline:
+            _stop_pid(proc.pid)
+            raise RuntimeError(f"the Ray head did not start within {START_TIMEOUT_S} s; its output: "
+                               f"{folder / 'ray-head.log'}")
+        time.sleep(0.2)
+    return proc, address, temp_dir
+
+
+def up(num_cpus: int | None, store: str) -> Stack:
+    """Start the stack (or return the one that is up), record it, and return it."""
+    import ray
+
+    from orchestrate.server import MlflowServer
+    from orchestrate.sweeps._server import own_server, write_ahead
+    from orchestrate.tracking.stores import absolute_uri, new_sqlite_store
+
+    running = found()
+    if running is not None:
+        return running
+    store = absolute_uri(store)
+    if not own_server(store, True):
+        raise ValueError(f"--store={store}: allowed: a SQLite store (sqlite:///PATH); a team's server on "
+                         "PostgreSQL is `orchestrate server`")
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder.chmod(0o700)
+    _private_token()
+    num_cpus = num_cpus or os.cpu_count() or 1
+    proc, address, temp_dir = _start_head(num_cpus, folder)
+    try:
+        new_sqlite_store(store)
+        write_ahead(store)
+        with open(folder / "mlflow-server.log", "w") as server_log:
+            artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts"
+            server = MlflowServer(store, artifacts.resolve(), log=server_log, detached=True, outlive=True)
+    except BaseException:
+        _stop_pid(proc.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    stack = Stack(ray_address=address, ray_pid=proc.pid, ray_temp_dir=temp_dir, ray_version=ray.__version__,
+                  num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
+                  artifacts=str(server.artifacts))
+    written = record_path().with_suffix(".tmp")
+    written.write_text(json.dumps(asdict(stack), indent=1))
+    written.chmod(0o600)
+    written.replace(record_path())  # whole or not at all
+    return stack
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM to the process group `pid` leads (each was started in a session of its own), then
+    SIGKILL to what is left of it after STOP_TIMEOUT_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            with_child = _reap(pid)
+            if with_child:
+                return
+            time.sleep(0.1)
+
+
+def _reap(pid: int) -> bool:
+    """Reap `pid` if it is this process's child and has ended (a test's own `up`); whether the
+    group is gone."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pid, 0)
+        return False
+    except (ProcessLookupError, PermissionError):
+        return True
+
+
+def down() -> Stack | None:
+    """Stop the recorded stack (the server, then the head) and remove its record."""
+    stack = _read()
+    if stack is None:
+        return None
+    _stop_pid(stack.server_pid)
+    _stop_pid(stack.ray_pid)
+    shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)
+    record_path().unlink(missing_ok=True)
+    return stack
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate up", description="Start (or show) the warm local stack: "
+                                     "a Ray head and the MLflow server in front of a SQLite store, left running.")
+    parser.add_argument("--num-cpus", type=int, default=None, help="the head's logical CPUs (default: this machine's)")
+    parser.add_argument("--store", default="sqlite:///mlflow.db",
+                        help="the SQLite store the server fronts (default: ./mlflow.db, a command's default store)")
+    parser.add_argument("--status", action="store_true", help="say what is up; exit 1 when nothing is")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    if args.status:
+        stack = found()
+        print(f"warm: {stack.describe()}" if stack else "cold: no warm stack is up (`orchestrate up` starts one)")
+        return 0 if stack else 1
+    if args.num_cpus is not None and args.num_cpus < 1:
+        print(f"error: --num-cpus={args.num_cpus}: must be 1 or more", file=sys.stderr)
+        return 2
+    was_up = found()
+    try:
+        stack = up(args.num_cpus, args.store)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{'already up' if was_up else 'up'}: {stack.describe()}\n"
+          f"Commands on this machine join it by themselves; `orchestrate down` stops it.", flush=True)
+    return 0
+
+
+def main_down(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="orchestrate down", description="Stop the warm local stack.").parse_args(argv)
+    stack = down()
+    print(f"stopped: {stack.describe()}" if stack else "nothing to stop: no warm stack is recorded", flush=True)
+    return 0
