@@ -46,6 +46,20 @@ def pytest_collection_modifyitems(config, items):
 MLFLOW_DEFAULTS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "ORCHESTRATE_TRACKING_URI", "MLFLOW_RUN_ID")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def own_state_dir(tmp_path_factory):
+    """`orchestrate up`'s record (orchestrate.stack) in a folder of the session's: a warm stack the
+    developer left running is never joined by a test, and a test's own is never the developer's.
+    Set for the whole session, so that the commands tests start see it too."""
+    before = os.environ.get("ORCHESTRATE_STATE_DIR")
+    os.environ["ORCHESTRATE_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("ORCHESTRATE_STATE_DIR", None)
+    else:
+        os.environ["ORCHESTRATE_STATE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def mlflow_environment(monkeypatch):
     for name in MLFLOW_DEFAULTS:

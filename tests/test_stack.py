@@ -1,0 +1,129 @@
+"""`orchestrate up` / `orchestrate down` (orchestrate.stack): the warm local stack, started once
+for this module as a user starts it, joined by a runner command and a sweep typed as usual, seen
+beside a cold command, then stopped. A record whose stack is gone is ignored in well under a
+second, with one line."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from orchestrate import stack
+from tests.conftest import sweep_runs
+from tests.test_server import LOOPBACK, listening
+
+
+def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state)}
+    return subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """`orchestrate up --num-cpus 2` in a folder of its own; `orchestrate down` at the end (also
+    checked by the last test, which stops it itself)."""
+    folder, state = tmp_path_factory.mktemp("warm"), tmp_path_factory.mktemp("warm_state")
+    done = orchestrate("up", "--num-cpus", "2", cwd=folder, state=state, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    yield folder, state, done.stdout
+    orchestrate("down", cwd=folder, state=state)
+
+
+def record(state: Path) -> stack.Stack:
+    return stack.Stack(**json.loads((state / "stack.json").read_text()))
+
+
+@pytest.mark.slow
+def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
+    folder, state, printed = warm
+    up = record(state)
+    assert printed.startswith(f"up: Ray {up.ray_version} at {up.ray_address} (2 CPUs, token auth) and the MLflow "
+                              f"server {up.server_uri} in front of sqlite:///{folder}/mlflow.db")
+    for address in (up.ray_address, up.server_uri.removeprefix("http://")):
+        found = listening(int(address.rsplit(":", 1)[1]))  # 127.0.0.1, or as IPv6 writes it (::ffff:127.0.0.1)
+        assert found and found <= {LOOPBACK, "0000000000000000FFFF00000100007F"}, found
+    assert (state / "stack.json").stat().st_mode & 0o777 == 0o600 and state.stat().st_mode & 0o777 == 0o700
+    token = Path.home() / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    # Asked again: the same stack, nothing new started.
+    again = orchestrate("up", cwd=folder, state=state)
+    assert again.returncode == 0 and again.stdout.startswith(f"already up: Ray {up.ray_version} at {up.ray_address}")
+    status = orchestrate("up", "--status", cwd=folder, state=state)
+    assert (status.returncode, status.stdout.split(" (")[0]) == (0, f"warm: Ray {up.ray_version} at {up.ray_address}")
+
+
+@pytest.mark.slow
+def test_a_runner_command_and_a_sweep_join_the_warm_stack_and_say_so(warm):
+    folder, state, _ = warm
+    short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
+    ran = orchestrate("backend=runner", "backend.engine=torch", *short, cwd=folder, state=state)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "start              warm: joined the Ray head that `orchestrate up` keeps running" in ran.stdout
+    assert "Found multiple active Ray instances" not in ran.stdout + ran.stderr
+    swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, cwd=folder, state=state)
+    assert swept.returncode == 0, swept.stderr[-3000:]
+    assert "start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running" in swept.stdout
+    # Written through the warm server into the folder's store, read back from the file.
+    _, (parent,), children = sweep_runs(folder)
+    assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
+    client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.md", "trials_loss_curves.png"}
+
+
+@pytest.mark.slow
+def test_a_cold_runner_beside_the_warm_head_is_not_misled_by_it(warm, tmp_path):
+    """Two Ray instances on one machine (this command's own and the warm head, as a user's own
+    `ray start` would be): Ray Train's cleaner must ask its own cluster about its run."""
+    _, state, _ = warm
+    ran = orchestrate("backend=runner", "backend.engine=torch", "trainer.num_workers=2", "trainer.max_steps=20",
+                      "trainer.progress=false", cwd=tmp_path, state=tmp_path / "no_stack")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "start              cold: started a local Ray for this command" in ran.stdout
+    assert "Found multiple active Ray instances" not in ran.stdout + ran.stderr
+    assert record(state).ray_answers()  # the warm head was left alone
+
+
+@pytest.mark.slow
+def test_down_stops_every_process_of_the_stack(warm):
+    folder, state, _ = warm
+    up = record(state)
+    done = orchestrate("down", cwd=folder, state=state)
+    assert done.returncode == 0 and done.stdout.startswith(f"stopped: Ray {up.ray_version} at {up.ray_address}")
+    for pid in (up.ray_pid, up.server_pid):
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # the whole process group: the head's GCS, raylet and workers too
+    assert not (state / "stack.json").exists() and not Path(up.ray_temp_dir).exists()
+    status = orchestrate("up", "--status", cwd=folder, state=state)
+    assert (status.returncode, status.stdout.strip()) == (1, "cold: no warm stack is up (`orchestrate up` starts one)")
+
+
+def test_a_record_whose_stack_is_gone_is_ignored_with_one_line(tmp_path, monkeypatch, caplog):
+    from tests.helpers import free_port
+
+    monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
+    gone = stack.Stack(ray_address=f"127.0.0.1:{free_port()}", ray_pid=2**22 + 1, ray_temp_dir=str(tmp_path / "t"),
+                       ray_version="2.60.0", num_cpus=2, store=f"sqlite:///{tmp_path}/mlflow.db",
+                       server_uri=f"http://127.0.0.1:{free_port()}", server_pid=2**22 + 2,
+                       artifacts=str(tmp_path / "a"))
+    (tmp_path / "stack.json").write_text(json.dumps(gone.__dict__))
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="orchestrate.stack"):
+        assert stack.found() is None and stack.ray_address() is None
+    assert time.monotonic() - began < 5  # a socket connect, not Ray's minutes of retries
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"the warm stack recorded in {tmp_path / 'stack.json'} is gone (nothing answers at "
+                           f"{gone.ray_address}); ignoring it")
+    assert stack.start_line(None, None) == "one process: no Ray and no server to keep warm"
+
+
+def test_no_record_means_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
+    assert stack.found() is None and stack.server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
+    assert stack.start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this command")
