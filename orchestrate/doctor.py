@@ -272,6 +272,11 @@ print(json.dumps({"nodes": len(nodes), "CPU": resources.get("CPU", 0), "GPU": re
 
 def check_ray(address: str | None, key: str, timeout_s: float) -> tuple[bool, str]:
     if not address:
+        from orchestrate import stack
+
+        warm = stack.found()
+        if warm is not None:
+            return True, f"ray: no cluster address; runs join the warm head at {warm.ray_address} (orchestrate up)"
         return True, "ray: no cluster address; runs start a local Ray"
     from orchestrate import ray_cluster
 

@@ -26,7 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -191,6 +191,9 @@ EXPECTED: dict[str, Expect] = {
         runs=1, tags={"backend": "runner", "auto": "true"}, metrics={"world_size": 2}, says=("backend.engine=auto: ",)),
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
+    # ---- the warm stack: `ran` below runs every command warm, on one `orchestrate up` of its own
+    "orchestrate up": Expect(separate="tests/test_stack.py::test_up_starts_ray_and_the_server_on_loopback_with_a_private_record"),
+    "orchestrate down": Expect(separate="tests/test_stack.py::test_down_stops_every_process_of_the_stack"),
     # ---- checking the stack
     "orchestrate doctor": Expect(separate="tests/test_doctor.py::test_healthy_stack_passes_every_check_and_trains_every_backend"),
     "orchestrate doctor --no-smoke": Expect(extra=(), says=("checks: all OK", "smoke runs skipped"), runs=0),
@@ -315,21 +318,40 @@ RUNNABLE = [c for c, e in EXPECTED.items() if not e.skip and not e.separate]
 
 
 @pytest.fixture(scope="module")
-def ran(installed_wheel, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Every runnable README command, run CONCURRENT at a time: they are independent (each in its
-    own folder, with its own MLflow store and, where it uses Ray, its own local Ray instance), and
-    most of a short command's time is start-up and waiting. Command -> (its folder, its result)."""
+def warm_env(installed_wheel, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The installed wheel's environment with a warm stack up (`orchestrate up`, as the README's
+    quick start says, from a folder of its own, with the wheel's interpreter: Ray's workers import
+    orchestrate from the wheel too), sized for CONCURRENT commands; `orchestrate down` at the end.
+    The README's commands join its Ray head by themselves (each has its own folder and store, so
+    a sweep still starts its own MLflow server); test_stack.py shows the stack itself, cold
+    commands are shown everywhere else."""
+    env = {**installed_wheel.env, "ORCHESTRATE_STATE_DIR": str(tmp_path_factory.mktemp("readme_state"))}
+    folder = tmp_path_factory.mktemp("readme_stack")
+    up = subprocess.run(["orchestrate", "up", "--num-cpus", str(2 * CONCURRENT)], cwd=folder, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield env
+    subprocess.run(["orchestrate", "down"], cwd=folder, env=env, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ran(warm_env, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every runnable README command, run CONCURRENT at a time, warm (`warm_env`): they are
+    independent (each in its own folder, with its own MLflow store), and most of a short command's
+    time is start-up and waiting. Command -> (its folder, its result)."""
 
     def one(command: str) -> tuple[Path, subprocess.CompletedProcess]:
         expect = EXPECTED[command]
         folder = tmp_path_factory.mktemp("readme")
         folder = write_project(folder) if expect.where == "project" else folder
-        env = {**installed_wheel.env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
+        env = {**warm_env, **dict(bash_commands())[command], "PYTHONUNBUFFERED": "1"}
         return folder, run(command, folder, env, expect.extra)
 
     # Only the commands this pytest session selected (`-k` picks some).
     chosen = [c for c in RUNNABLE if any(getattr(item, "callspec", None) and item.callspec.params.get("command") == c
                                          for item in request.session.items)]
+    if not chosen:
+        return {}
     with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
         return dict(zip(chosen, pool.map(one, chosen)))
 
@@ -359,6 +381,8 @@ def test_the_command_does_what_the_readme_says(command, ran):
             history = MlflowClient(f"sqlite:///{folder}/mlflow.db").get_metric_history(r.info.run_id, "train/loss")
             losses = [m.value for m in sorted(history, key=lambda m: m.step)]
             assert len(losses) < 2 or losses[-1] < losses[0], losses  # it trained
+    if "backend=runner" in command and expect.code == 0:  # joined the warm head, as the quick start says
+        assert "warm: joined the Ray head" in printed, printed[-4000:]
     if expect.check is not None:
         expect.check(folder, printed)
     if expect.code != 0:

@@ -62,11 +62,17 @@ class TrialError(RuntimeError):
 
 
 def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_state: dict,
-             end_marker: Optional[str]) -> JobReturn:
+             end_marker: Optional[str], cwd: Optional[str] = None) -> JobReturn:
     """Runs in a Ray worker: restore Hydra's global state as the driver has it, run the job in its
     own folder (Hydra's callbacks' on_job_start/on_job_end run here), then mark the end of its
-    output (see OutputBarrier)."""
+    output (see OutputBarrier). `cwd`: the launching command's folder, where relative paths (the
+    sweep's output folder, a relative store) mean what they mean to the user; a worker of a Ray
+    started elsewhere (the warm head of `orchestrate up`) runs in the folder the head started
+    in. Kept where that folder does not exist (a node of a remote cluster)."""
+    before = os.getcwd()
     try:
+        if cwd is not None and os.path.isdir(cwd):
+            os.chdir(cwd)
         setup_globals()
         Singleton.set_state(singleton_state)
         HydraConfig.instance().set_config(sweep_config)
@@ -76,6 +82,7 @@ def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_s
             ret._return_value = TrialError.of(ret._return_value)
         return ret
     finally:
+        os.chdir(before)
         _write_end_marker(end_marker)
 
 
@@ -225,7 +232,8 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
                     stop()
                     raise
                 continue
-            ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, config, state, barrier.marker(job.idx))
+            ref = remote.options(name=f"#{job.idx}", **options).remote(*shared, config, state, barrier.marker(job.idx),
+                                                                      os.getcwd())
             pending[ref] = job
             launcher.in_flight.add(ref)
 
