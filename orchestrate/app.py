@@ -52,7 +52,7 @@ def head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
         backend = schema.target_of(cfg.backend, "backend")
     except Exception:
         return contextlib.nullcontext()
-    return backend.head_start(cfg.backend)
+    return backend.head_start(cfg)
 
 
 @dataclass

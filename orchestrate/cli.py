@@ -214,11 +214,13 @@ def check_trial_resources(launcher) -> None:
     this machine has could never start (the launcher would say so only once Ray is up)."""
     if not str(launcher.get("_target_", "")).endswith("OrchestrateRayLauncher"):
         return
-    if launcher.address:
+    address, key = (launcher.address, "hydra.launcher.address") if launcher.address else \
+        (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    if address:
         from orchestrate import ray_cluster
 
-        try:  # a cluster that is not there: seconds, not Ray's minutes of retries
-            ray_cluster.reachable(launcher.address, "hydra.launcher.address")
+        try:  # a cluster that is not there or refuses this process: seconds, before any run opens
+            ray_cluster.check_access(address, key)
         except ray_cluster.RayUnavailable as e:
             fail(str(e))
     if launcher.address or os.environ.get("RAY_ADDRESS"):

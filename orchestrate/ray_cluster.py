@@ -23,13 +23,16 @@ are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot b
 
 import contextlib
 import importlib
+import json
 import logging
 import os
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost")
 EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_background`
 _LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
@@ -89,7 +92,7 @@ def _start(address: str | None, key: str, **local_options) -> bool:
 
         ray_constants.ENABLE_RAY_CLUSTER = False
     if address is not None:
-        reachable(address, key)
+        check_access(address, key)
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
@@ -310,6 +313,72 @@ def reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
     except OSError as e:
         raise RayUnavailable(f"{key}={address}: nothing answers at {host}:{port} ({e.strerror or e}); allowed: "
                              "null (a new local Ray), auto, or the address of a running cluster") from None
+
+
+def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
+    """Refuse, within about `timeout_s` and before anything opens, a cluster this process cannot
+    join: nothing listening (`reachable`), a token the cluster refuses (or none where it wants
+    one), a head of another Ray or Python version. Ray's own `ray.init` finds the last two only
+    after its retries (18 s of C++ `InvalidAuthToken` lines on the console for a wrong token).
+    One read of the cluster's metadata from its GCS, with this process's token: what `ray.init`
+    itself reads first. Addresses without a port (`auto`, `ray://...`) are left to Ray."""
+    reachable(address, key, timeout_s)
+    hostport = address.split("://")[-1].rstrip("/")
+    if "://" in address or not hostport.rpartition(":")[2].isdigit():
+        return
+    _quiet_import()
+    import ray
+    from ray._common.usage.usage_lib import get_cluster_metadata
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    allowed = "allowed: null (a new local Ray), auto, or the address of a running cluster"
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    quiet.addFilter(_no_early_notes)
+    try:
+        # What ray.init does first: a token on this machine and no mode named turns the mode on.
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        quiet.removeFilter(_no_early_notes)
+    try:
+        with _cpp_lines_to_log():
+            metadata = json.loads(GcsClient(address=hostport).internal_kv_get(
+                b"CLUSTER_METADATA", namespace=b"cluster", timeout=timeout_s).decode())
+    except AuthenticationError:
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        raise RayUnavailable(f"{key}={address}: the cluster refused this process's Ray token (RAY_AUTH_MODE={mode}; "
+                             "the token comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): set "
+                             "the cluster's token there; " + allowed) from None
+    except Exception as e:  # a GCS that answers the socket but not Ray's protocol in time
+        raise RayUnavailable(f"{key}={address}: no Ray answer within {timeout_s:g} s ({type(e).__name__}); "
+                             + allowed) from None
+    mine = {"ray_version": ray.__version__, "python_version": ".".join(map(str, sys.version_info[:3]))}
+    theirs = {k: metadata.get(k) for k in mine}
+    if theirs["ray_version"] != mine["ray_version"] or \
+            str(theirs["python_version"]).split(".")[:2] != mine["python_version"].split(".")[:2]:
+        raise RayUnavailable(f"{key}={address}: the cluster runs Ray {theirs['ray_version']} on Python "
+                             f"{theirs['python_version']}, this process Ray {mine['ray_version']} on Python "
+                             f"{mine['python_version']}; they must match (this project pins Ray {mine['ray_version']})")
+
+
+@contextlib.contextmanager
+def _cpp_lines_to_log() -> Iterator[None]:
+    """What Ray's C++ client writes to this process's stderr meanwhile (a refused token: a
+    `gcs_client.cc` warning line) goes to this module's log instead of the console."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines():
+                log.info(f"Ray's client: {line}")
 
 
 def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, timeout_s: float, asked: str,

@@ -53,6 +53,9 @@ def overrides(backend: str, marker: Path) -> list[str]:
              f"data._target_={HeldData.__module__}.HeldData", "+data.hold_at=24", f"+data.marker={marker}"]
     if backend == "runner":
         found += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=1"]
+    elif backend == "runner-workers":  # the runner's worker group: stopped through Ray Train's controller
+        found[0] = "backend=runner"
+        found += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=2"]
     return found
 
 
@@ -122,7 +125,7 @@ ONE_RAY = threading.Lock()
 
 
 def stop_and_resume(backend: str, signum: int, folder: Path) -> Stopped:
-    if backend == "runner":
+    if backend == "runner-workers":
         with ONE_RAY:
             return _stop_and_resume(backend, signum, folder)
     return _stop_and_resume(backend, signum, folder)
@@ -158,9 +161,10 @@ def _stop_and_resume(backend: str, signum: int, folder: Path) -> Stopped:
                    run.data.tags.get("error"), logged, resumed)
 
 
-# Ordered so that the two runner cases (the longest) start apart.
-CASES = [("runner", signal.SIGTERM), ("torch", signal.SIGTERM), ("ortmodule", signal.SIGTERM),
-         ("runner", signal.SIGINT), ("ondevice", signal.SIGTERM), ("torch", signal.SIGINT)]
+# The runner: one worker runs in the driver's process (SIGTERM), two as Ray Train's worker group
+# (SIGINT: Ray Train's own handler would take it). The worker group (the longest case) first.
+CASES = [("runner-workers", signal.SIGINT), ("torch", signal.SIGTERM), ("ortmodule", signal.SIGTERM),
+         ("runner", signal.SIGTERM), ("ondevice", signal.SIGTERM), ("torch", signal.SIGINT)]
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,8 @@ def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
 def test_a_runner_command_and_a_sweep_join_the_warm_stack_and_say_so(warm):
     folder, state, _ = warm
     short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
-    ran = orchestrate("backend=runner", "backend.engine=torch", *short, cwd=folder, state=state)
+    ran = orchestrate("backend=runner", "backend.engine=torch", "trainer.num_workers=2", *short, cwd=folder,
+                      state=state)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "start              warm: joined the Ray head that `orchestrate up` keeps running" in ran.stdout
     assert "Found multiple active Ray instances" not in ran.stdout + ran.stderr
@@ -90,20 +91,6 @@ def test_a_cold_runner_beside_the_warm_head_is_not_misled_by_it(warm, tmp_path):
     assert record(state).ray_answers()  # the warm head was left alone
 
 
-@pytest.mark.slow
-def test_down_stops_every_process_of_the_stack(warm):
-    folder, state, _ = warm
-    up = record(state)
-    done = orchestrate("down", cwd=folder, state=state)
-    assert done.returncode == 0 and done.stdout.startswith(f"stopped: Ray {up.ray_version} at {up.ray_address}")
-    for pid in (up.ray_pid, up.server_pid):
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)  # the whole process group: the head's GCS, raylet and workers too
-    assert not (state / "stack.json").exists() and not Path(up.ray_temp_dir).exists()
-    status = orchestrate("up", "--status", cwd=folder, state=state)
-    assert (status.returncode, status.stdout.strip()) == (1, "cold: no warm stack is up (`orchestrate up` starts one)")
-
-
 def test_a_record_whose_stack_is_gone_is_ignored_with_one_line(tmp_path, monkeypatch, caplog):
     from tests.helpers import free_port
 
@@ -127,3 +114,49 @@ def test_no_record_means_cold(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
     assert stack.found() is None and stack.server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
     assert stack.start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this command")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", [["backend=runner"], ["+sweep=lr_grid", "backend=torch"]], ids=["runner", "sweep"])
+def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm, tmp_path, words):
+    _, state, _ = warm
+    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state), "RAY_ADDRESS": record(state).ray_address,
+           "RAY_AUTH_TOKEN": "0" * 32}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: RAY_ADDRESS={record(state).ray_address}: the cluster refused this "
+                                  "process's Ray token"), done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "gcs_client" not in done.stdout + done.stderr
+    assert list(tmp_path.iterdir()) == []  # no MLflow store, no output folder
+    assert time.monotonic() - began < 60  # the command's own imports; Ray's retries took minutes
+
+
+@pytest.mark.slow
+def test_a_head_of_another_ray_version_is_refused_by_name(warm, monkeypatch):
+    import ray
+
+    from orchestrate import ray_cluster
+
+    _, state, _ = warm
+    monkeypatch.setattr(ray, "__version__", "2.0.0")
+    with pytest.raises(ray_cluster.RayUnavailable) as refused:
+        ray_cluster.check_access(record(state).ray_address, "backend.ray_address")
+    assert str(refused.value).startswith(f"backend.ray_address={record(state).ray_address}: the cluster runs Ray 2.60.0 "
+                                         "on Python 3.11")
+    assert "this process Ray 2.0.0" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_down_stops_every_process_of_the_stack(warm):
+    folder, state, _ = warm
+    up = record(state)
+    done = orchestrate("down", cwd=folder, state=state)
+    assert done.returncode == 0 and done.stdout.startswith(f"stopped: Ray {up.ray_version} at {up.ray_address}")
+    for pid in (up.ray_pid, up.server_pid):
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # the whole process group: the head's GCS, raylet and workers too
+    assert not (state / "stack.json").exists() and not Path(up.ray_temp_dir).exists()
+    status = orchestrate("up", "--status", cwd=folder, state=state)
+    assert (status.returncode, status.stdout.strip()) == (1, "cold: no warm stack is up (`orchestrate up` starts one)")

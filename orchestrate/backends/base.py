@@ -52,8 +52,8 @@ class Backend(ABC):
                               "in one process with one batch per step")
 
     @classmethod
-    def head_start(cls, node: DictConfig) -> contextlib.AbstractContextManager:
-        """Begin, while the command checks the config (`node`: its `backend` group), what
+    def head_start(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
+        """Begin, while the command checks the config (`cfg`: the run's whole config), what
         `connect` will wait for (the runner: a local Ray instance); stopped again if the body
         raises (the config was refused). Nothing by default."""
         return contextlib.nullcontext()

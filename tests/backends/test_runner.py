@@ -75,6 +75,16 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(tmp_path, 
     assert_same(final_weights(acc), final_weights(one_worker), atol=1e-5)
 
 
+def test_one_worker_trains_in_the_drivers_own_process(one_worker):
+    """trainer.num_workers=1: Ray Train's local mode, the loop in this very process (its rank 0
+    tag names this pid), no worker group and so no worker log; the weights equal two workers'
+    (the test above)."""
+    client = client_for(f"sqlite:///{one_worker.out_dir.parent}/mlflow.db")
+    tags = client.get_run(one_worker.run_id).data.tags
+    assert tags["worker.0"].endswith(f" driver pid {os.getpid()}")
+    assert not list(one_worker.out_dir.glob("worker_*.log"))
+
+
 def test_the_weights_moved(one_worker):
     """Guards the equivalence tests against comparing two untrained models."""
     trained = final_weights(one_worker)
@@ -187,8 +197,8 @@ def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest
     notice (where this machine prints it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))}
     done = subprocess.run([sys.executable, "-m", "orchestrate", "backend=runner", "backend.engine=ondevice",
-                           "trainer=quick", "data=synthetic"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "trainer=quick", "data=synthetic", "trainer.num_workers=2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed[-4000:]
     assert [line for line in RAY_LINES if line in printed] == [], printed[-4000:]

@@ -40,6 +40,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,9 +183,11 @@ class RunnerBackend(Backend):
         if self.use_gpu != (t.device == Device.cuda):
             raise ConfigError(f"backend.use_gpu={str(self.use_gpu).lower()} and trainer.device={t.device.value} "
                               "disagree: set both (use_gpu=true with device=cuda) or neither")
-        if self.ray_address is not None:  # a cluster that is not there: seconds, not Ray's minutes of retries
+        address, key = (self.ray_address, "backend.ray_address") if self.ray_address is not None else \
+            (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+        if address:  # a cluster that is not there or refuses this process: seconds, before the run opens
             try:
-                ray_cluster.reachable(self.ray_address, "backend.ray_address")
+                ray_cluster.check_access(address, key)
             except ray_cluster.RayUnavailable as e:
                 raise ConfigError(str(e)) from None
         wanted = t.num_workers * self.cpus_per_worker
@@ -194,13 +197,23 @@ class RunnerBackend(Backend):
             raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
 
+    def in_driver(self, num_workers: int) -> bool:
+        """One worker on this machine runs in the driver's own process (Ray Train's local mode:
+        the same loop, the same MLflow run): no Ray, no worker group to start and stop (about as
+        long as the run's own start, measured: docs/performance.md). Not with a cluster address
+        (its resources are the point) or a GPU worker; backend.max_failures restarts a worker
+        group, so they need 2 or more workers (one in the driver fails with the run)."""
+        return _in_driver(num_workers, self.ray_address, self.use_gpu)
+
     @classmethod
     @contextlib.contextmanager
-    def head_start(cls, node: DictConfig) -> Iterator[None]:
+    def head_start(cls, cfg: DictConfig) -> Iterator[None]:
         """A new local Ray (no `ray_address`, no RAY_ADDRESS) starts on a thread of its own while
         the command checks the config: `connect` then waits for it instead of starting one (about
-        4 s of start-up overlapped). A refused config shuts it down."""
-        if node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or stack.ray_address():
+        4 s of start-up overlapped). A refused config shuts it down. None for a run in the driver."""
+        node = cfg.backend
+        if _in_driver(cfg.trainer.get("num_workers", 1), node.get("ray_address"), node.get("use_gpu", False)) or \
+                node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or stack.ray_address():
             yield
             return
         ray_environment()
@@ -215,6 +228,9 @@ class RunnerBackend(Backend):
     def connect(self, job) -> Iterator[None]:
         """Join (or start) Ray and make sure the workers can be placed; a Ray instance started here
         is shut down when the run ends."""
+        if self.in_driver(job.trainer.num_workers):
+            yield  # the worker runs in this process: nothing to hold
+            return
         ray_environment()
         try:
             started = ray_cluster.init(self.ray_address, "backend.ray_address")
@@ -257,8 +273,6 @@ class RunnerBackend(Backend):
             return
 
         import ray
-        from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
 
         from orchestrate.backends.runner.worker import SUMMARY_FILE, worker_loop
 
@@ -266,16 +280,52 @@ class RunnerBackend(Backend):
         run_id = tracker.run_id if tracker else None
         cfg = OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True)
         cfg["backend"]["engine"] = self.engine  # the engine the workers run (backend.engine=auto: the chosen one)
+        in_driver = self.in_driver(job.trainer.num_workers)
         # The checkpoint to resume from travels through Ray's object store: a worker on another
-        # node cannot read the driver's disk.
+        # node cannot read the driver's disk (one in the driver takes it as it is).
+        resume = job.resume_state
         config = {"cfg": cfg, "engine": OmegaConf.to_container(self.engine_node()),
-                  "out_dir": str(job.out_dir.resolve()), "run_id": run_id,
-                  "resume": ray.put(job.resume_state) if job.resume_state is not None else None,
+                  "out_dir": str(job.out_dir.resolve()), "run_id": run_id, "in_driver": in_driver,
+                  "resume": ray.put(resume) if resume is not None and not in_driver else resume,
                   "uri": absolute_uri(tracker.uri) if tracker else None,
                   "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
-        trainer = TorchTrainer(
-            worker_loop, train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=job.trainer.num_workers, use_gpu=self.use_gpu,
+        with quiet_local_mode(in_driver):
+            trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
+        # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
+        # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
+        # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
+        # a KeyboardInterrupt out of fit()'s wait; the run is marked KILLED, then `connect` aborts
+        # the controller (it stops the workers) and shuts down a Ray started here.
+        controllers: list = []
+        trainer._register_sigint_handler = controllers.append  # handed the controller actor
+        try:
+            with train_environment(), quiet_local_mode(in_driver):
+                result = trainer.fit()
+        except KeyboardInterrupt as e:
+            _STOPPED_RUNS.get().extend(controllers)
+            stopped = process.stopped_by()
+            if stopped is not None and not isinstance(e, process.Stopped):
+                raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
+            raise
+        if in_driver:
+            summary = result.return_value
+        else:
+            with result.checkpoint.as_directory() as folder:
+                summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
+        job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
+        job.meter.final.update(summary["final"])
+        if summary.get("diverged"):  # the workers stopped together, without a failure for Ray to retry
+            raise Diverged(*summary["diverged"])
+
+    def trainer(self, job, loop, config: dict, in_driver: bool, run_id: str | None):
+        """Ray Train's TorchTrainer running `loop` on the workers (in the driver: its local mode)."""
+        from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        return TorchTrainer(
+            loop, train_loop_config=config,
+            # num_workers=0: Ray Train's local mode, the function called in this process.
+            scaling_config=ScalingConfig(num_workers=0 if in_driver else job.trainer.num_workers, use_gpu=self.use_gpu,
                                          resources_per_worker={"CPU": self.cpus_per_worker},
                                          placement_strategy=self.placement_strategy),
             run_config=RunConfig(
@@ -289,34 +339,30 @@ class RunnerBackend(Backend):
                 # logs, logs/train/ray-train-sys-*.log; from the loop's start, the workers' logs too:
                 # worker.log_to_file); its warnings and errors still reach the console.
                 logging_config=LoggingConfig(log_level="WARNING")))
-        # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
-        # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
-        # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
-        # a KeyboardInterrupt out of fit()'s wait; the run is marked KILLED, then `connect` aborts
-        # the controller (it stops the workers) and shuts down a Ray started here.
-        controllers: list = []
-        trainer._register_sigint_handler = controllers.append  # handed the controller actor
-        try:
-            with train_environment():
-                result = trainer.fit()
-        except KeyboardInterrupt as e:
-            _STOPPED_RUNS.get().extend(controllers)
-            stopped = process.stopped_by()
-            if stopped is not None and not isinstance(e, process.Stopped):
-                raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
-            raise
-        with result.checkpoint.as_directory() as folder:
-            summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
-        job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
-        job.meter.final.update(summary["final"])
-        if summary.get("diverged"):  # the workers stopped together, without a failure for Ray to retry
-            raise Diverged(*summary["diverged"])
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         return self.engine_backend().read_checkpoint(path)
 
     def load_checkpoint(self, source: Path | bytes) -> dict:
         return self.engine_backend().load_checkpoint(source)  # the workers' checkpoints are the engine's
+
+
+@contextlib.contextmanager
+def quiet_local_mode(in_driver: bool) -> Iterator[None]:
+    """Ray Train's local mode logs INFO lines to the console (that it runs in local mode, every
+    report's metrics), which its worker group keeps in Ray's log files: kept off here as well."""
+    logger = logging.getLogger("ray.train")
+    before = logger.level
+    if in_driver:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _in_driver(num_workers: int, ray_address: str | None, use_gpu: bool) -> bool:
+    return num_workers == 1 and ray_address is None and "RAY_ADDRESS" not in os.environ and not use_gpu
 
 
 ABORT_WAIT_S = 30.0

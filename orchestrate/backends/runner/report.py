@@ -76,8 +76,8 @@ class Reporter:
         with self.lock:
             self.lock.wait_for(lambda: self.pending == 0 or self.error is not None)
 
-    def close(self) -> None:
+    def close(self, raise_error: bool = True) -> None:
         self.queue.put(None)
         self.thread.join()
-        if self.error is not None:
+        if self.error is not None and raise_error:
             raise self.error

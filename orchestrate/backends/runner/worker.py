@@ -7,6 +7,7 @@ every global batch, and rank 0 evaluates, checkpoints and logs to the MLflow run
 opened.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -25,10 +26,36 @@ SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last
 WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output folder (as Hydra's job log)
 
 
-def worker_loop(config: dict) -> None:
+def worker_loop(config: dict) -> dict | None:
+    import ray.train
+    from ray.train.v2._internal.execution import context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    in_driver = config.get("in_driver", False)
+    if in_driver:
+        # One worker in the driver's process (Ray Train's local mode): no worker group, so no
+        # process group either; a one-rank one makes the same collectives (DDP's, the meter's)
+        # run as they do across workers. Its log is the driver's (Hydra's app.log).
+        with _one_rank_group():
+            return _loop(config, rank, world, in_driver)
+    log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
+    return _loop(config, rank, world, in_driver)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     import ray.train
     from omegaconf import OmegaConf
-    from ray.train.v2._internal.execution import context as train_context
 
     from orchestrate import schema
     from orchestrate.backends.runner.driver import remember_engine
@@ -36,10 +63,6 @@ def worker_loop(config: dict) -> None:
     from orchestrate.tracking.logger import RunLogger
     from orchestrate.tracking.settings import ONE_LOGGING_THREAD
 
-    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
     remember_engine(cfg.backend.engine, config["engine"])
     torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
@@ -74,6 +97,12 @@ def worker_loop(config: dict) -> None:
         engine.fit(job)
     except Diverged as e:  # every rank at the same step (the meter agreed on it): the driver says so
         diverged = [e.what, e.value, e.step]
+    except BaseException:
+        if in_driver:  # a worker process would die with its threads; the driver's process goes on
+            reporter.close(raise_error=False)
+            if job.meter.tracker:
+                job.meter.tracker.close()
+        raise
 
     summary = job.meter.summary()
     if rank == 0 and job.meter.tracker:
@@ -82,13 +111,16 @@ def worker_loop(config: dict) -> None:
         # folder) before the driver marks the run FINISHED: the store refuses points after that.
         job.meter.tracker.close()
     reporter.close()
+    result = {"history": job.meter.history, "final": summary, "diverged": diverged}
+    if in_driver:
+        return result  # the driver reads it from fit()'s result
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = None
         if rank == 0:
-            (Path(folder) / SUMMARY_FILE).write_text(json.dumps({"history": job.meter.history, "final": summary,
-                                                                 "diverged": diverged}))
+            (Path(folder) / SUMMARY_FILE).write_text(json.dumps(result))
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report({"step": job.trainer.max_steps, "done": True}, checkpoint=checkpoint)
+    return None
 
 
 def log_to_file(path: Path) -> None:
@@ -128,17 +160,20 @@ def resume_state(config: dict, engine) -> dict | None:
             path = Path(folder) / CHECKPOINT_FILE
             if path.exists():
                 return engine.load_checkpoint(path.read_bytes())
-    if config["resume"] is not None:  # trainer.resume's checkpoint, loaded by the driver
+    if isinstance(config["resume"], ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
         return ray.get(config["resume"])
-    return None
+    return config["resume"]  # the same, handed over in the driver's own process (or None)
 
 
 def tag_workers(job, rank: int, world: int) -> None:
     """Tag the MLflow run with where each rank runs (`worker.<rank>`: host, IP, Ray node id, pid)."""
     import ray
 
-    node = ray.get_runtime_context().get_node_id()
-    me = f"{platform.node()} {ray.util.get_node_ip_address()} node {node[:12]} pid {os.getpid()}"
+    if ray.is_initialized():
+        me = f"{platform.node()} {ray.util.get_node_ip_address()} node " \
+             f"{ray.get_runtime_context().get_node_id()[:12]} pid {os.getpid()}"
+    else:  # in the driver's process, without Ray
+        me = f"{platform.node()} driver pid {os.getpid()}"
     everyone = [None] * world
     dist.all_gather_object(everyone, me)
     if rank == 0 and job.meter.tracker:
