@@ -302,7 +302,8 @@ class RunnerBackend(Backend):
             with train_environment(), quiet_local_mode(in_driver):
                 result = trainer.fit()
         except KeyboardInterrupt as e:
-            _STOPPED_RUNS.get().extend(controllers)
+            if not in_driver:  # a worker group's controller, aborted once the run is marked KILLED
+                _STOPPED_RUNS.get().extend(controllers)
             stopped = process.stopped_by()
             if stopped is not None and not isinstance(e, process.Stopped):
                 raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
