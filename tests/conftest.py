@@ -92,6 +92,20 @@ def ray_shared():
 
 
 @pytest.fixture(scope="session")
+def warm_stack(tmp_path_factory) -> Path:
+    """`orchestrate up --num-cpus 2` once for the session, in a state folder of its own; yields
+    that folder: a test's commands run warm when their ORCHESTRATE_STATE_DIR names it (cold
+    otherwise: `own_state_dir`). `orchestrate down` at the end."""
+    state, folder = tmp_path_factory.mktemp("warm_stack_state"), tmp_path_factory.mktemp("warm_stack")
+    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state)}
+    up = subprocess.run([sys.executable, "-m", "orchestrate", "up", "--num-cpus", "2"], cwd=folder, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield state
+    subprocess.run([sys.executable, "-m", "orchestrate", "down"], cwd=folder, env=env, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1 with a SQLite store (the one sweeps start); yields its URI."""
     folder = tmp_path_factory.mktemp("mlflow_server")

@@ -27,10 +27,12 @@ def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subp
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    """`orchestrate up --num-cpus 2` in a folder of its own; `orchestrate down` at the end (also
+    """`orchestrate up --num-cpus 2` for a folder's store; `orchestrate down` at the end (also
     checked by the last test, which stops it itself)."""
     folder, state = tmp_path_factory.mktemp("warm"), tmp_path_factory.mktemp("warm_state")
-    done = orchestrate("up", "--num-cpus", "2", cwd=folder, state=state, timeout=300)
+    # Started from another folder, for `folder`'s store: the head's processes run where it started.
+    done = orchestrate("up", "--num-cpus", "2", f"--store=sqlite:///{folder}/mlflow.db", cwd=state, state=state,
+                       timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     yield folder, state, done.stdout
     orchestrate("down", cwd=folder, state=state)
@@ -60,14 +62,11 @@ def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
 
 
 @pytest.mark.slow
-def test_a_runner_command_and_a_sweep_join_the_warm_stack_and_say_so(warm):
+def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm):
+    """(A runner's worker group joining the warm head: the README's runner commands, which
+    tests/test_readme.py runs warm.)"""
     folder, state, _ = warm
     short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
-    ran = orchestrate("backend=runner", "backend.engine=torch", "trainer.num_workers=2", *short, cwd=folder,
-                      state=state)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "start              warm: joined the Ray head that `orchestrate up` keeps running" in ran.stdout
-    assert "Found multiple active Ray instances" not in ran.stdout + ran.stderr
     swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, cwd=folder, state=state)
     assert swept.returncode == 0, swept.stderr[-3000:]
     assert "start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running" in swept.stdout
@@ -76,6 +75,8 @@ def test_a_runner_command_and_a_sweep_join_the_warm_stack_and_say_so(warm):
     assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
     client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.md", "trials_loss_curves.png"}
+    # The trials ran in the command's folder (their outputs are here), not where the head started.
+    assert len(list((folder / "multirun").glob("*/*/[0-9]"))) == 3 and not (state / "multirun").exists()
 
 
 @pytest.mark.slow

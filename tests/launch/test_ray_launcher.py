@@ -5,8 +5,9 @@ a bounded wait for jobs the cluster cannot place, dry runs, and every job's outp
 the launcher returns.
 
 In-process tests share one local Ray (2 CPUs, 127.0.0.1) started and stopped by the module-scoped
-`local_ray` fixture; subprocess tests (Hydra's integration suite, the output order, placement on
-a 1-CPU instance) start their own through the launcher."""
+`local_ray` fixture; Hydra's integration suite's apps join the session's warm stack (`warm`); the
+other subprocess tests (the output order, placement on a 1-CPU instance) start their own Ray
+through the launcher, cold, as a command without `orchestrate up` does."""
 
 import os
 import pickle
@@ -70,6 +71,15 @@ class TestOrchestrateRayLauncher(LauncherTestSuite):
     pass
 
 
+@pytest.fixture
+def warm(warm_stack, monkeypatch):
+    """The session's warm stack (`orchestrate up`) for the apps Hydra's integration suite starts:
+    each joins its Ray head instead of starting a local Ray (a Ray start per test, for nothing
+    these tests show); the subprocess tests below show the cold path."""
+    monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(warm_stack))
+
+
+@pytest.mark.usefixtures("warm")
 @pytest.mark.parametrize(
     "task_launcher_cfg, extra_flags",
     [({}, ["-m", "hydra/hydra_logging=hydra_debug", "hydra/job_logging=disabled", "hydra/launcher=orchestrate_ray"])],
