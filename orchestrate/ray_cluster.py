@@ -16,8 +16,9 @@ print that `RAY_NOISE` names (they stay in those processes' log files, in the se
 /tmp/ray/session_*/logs), and the warning that a new local instance turned token authentication
 on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chosen silently).
 
-This module imports nothing else of orchestrate (the Hydra launcher plugin uses it), so its errors
-are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and
+This module imports, and only when called, nothing of orchestrate but what imports nothing itself:
+the warm head's record (orchestrate.stack), a free port (orchestrate.server) and set_env
+(orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and
 `PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
@@ -96,10 +97,16 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
-            port = _free_port()
-            with _environment(RAY_GCS_SERVER_PORT=str(port)):  # Ray's own variable: the new head's port
+            from orchestrate.server import free_port
+            from orchestrate.tracking.settings import set_env
+
+            port = free_port()
+            before = set_env({"RAY_GCS_SERVER_PORT": str(port)})  # Ray's own variable: the new head's port
+            try:
                 ray.init(address="local", runtime_env=_knows_its_cluster(f"127.0.0.1:{port}", local), **options,
                          **local_options)
+            finally:
+                set_env(before)
             _WARM = None
             global _LOCAL_SESSION
             _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
@@ -123,26 +130,6 @@ def _knows_its_cluster(address: str, local: bool) -> dict | None:
     if not local or "://" in address or address == "auto":
         return None
     return {"env_vars": {"RAY_ADDRESS": address}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # Lines Ray relays from its own processes to this driver's console that say nothing to act on;
@@ -292,10 +279,6 @@ def how() -> str | None:
     return "cold" if _LOCAL_SESSION == ray.get_runtime_context().get_job_id() else "cluster"
 
 
-def warm_address() -> str | None:
-    return _WARM
-
-
 def _initialized() -> bool:
     return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
@@ -328,7 +311,6 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
         return
     _quiet_import()
     import ray
-    from ray._common.usage.usage_lib import get_cluster_metadata
     from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError
 

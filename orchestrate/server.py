@@ -71,6 +71,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def health(uri: str, timeout_s: float = 2.0) -> bool:
+    """Whether the MLflow server at `uri` answers /health within `timeout_s`."""
+    try:
+        urllib.request.urlopen(f"{uri}/health", timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 class MlflowServer:
     """`mlflow server` in front of `store_uri`, artifacts served from `artifacts` (a folder or a
     bucket URI), started and ready (/health answers) when the constructor returns; with
@@ -129,13 +138,7 @@ class MlflowServer:
 
     def answers(self, timeout_s: float = 2.0) -> bool:
         """Whether the server is up and answers /health now."""
-        if self.proc.poll() is not None:
-            return False
-        try:
-            urllib.request.urlopen(f"{self.uri}/health", timeout=timeout_s).close()
-            return True
-        except OSError:
-            return False
+        return self.proc.poll() is None and health(self.uri, timeout_s)
 
     def stop(self) -> None:
         self.proc.terminate()  # `mlflow server` hands SIGTERM on to its uvicorn and waits for it

@@ -29,6 +29,7 @@ launcher plugin uses alone) asks it for the head.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -146,13 +147,13 @@ def ray_address() -> str | None:
     return stack.ray_address if stack else None
 
 
-def server_for(store_uri: str) -> str | None:
-    """The warm MLflow server's URI if it fronts `store_uri` (an absolute sqlite:/// URI) and answers."""
+def server_for(store_uri: str) -> Stack | None:
+    """The warm stack, if its MLflow server fronts `store_uri` (an absolute sqlite:/// URI) and answers."""
     stack = _read()
     if stack is None or stack.store != store_uri:
         return None
     if stack.server_answers():
-        return stack.server_uri
+        return stack
     log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; this sweep starts its own "
                 "(`orchestrate down` then `orchestrate up` starts the stack again)")
     return None
@@ -180,39 +181,37 @@ def start_line(ray: str | None, server: bool | None) -> str:
 
 # ---- up and down ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TOKEN = Path.home() / ".ray" / "auth_token"  # Ray's default token file (Ray's token-auth guide)
 
 
 def _private_token() -> None:
-    """Ray's default token file, made if missing, readable by the user only."""
-    from ray._private.authentication.authentication_token_setup import (
-        _get_default_token_path, generate_and_save_token)
-
-    path = _get_default_token_path()
-    if not path.exists() and not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        old = os.umask(0o077)
-        try:
-            generate_and_save_token()
-        finally:
-            os.umask(old)
-    if path.exists():
-        path.chmod(0o600)
+    """Ray's default token file, made if missing (Ray's own CLI, which prints the token: kept
+    off the console), readable by the user only. A token given by RAY_AUTH_TOKEN or
+    RAY_AUTH_TOKEN_PATH is the user's to keep."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    if not TOKEN.exists():
+        made = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+                              capture_output=True, text=True, umask=0o077, timeout=START_TIMEOUT_S)
+        if made.returncode != 0 or not TOKEN.exists():
+            raise RuntimeError(f"`ray get-auth-token --generate` made no token in {TOKEN} (exit code "
+                               f"{made.returncode})")
+    TOKEN.chmod(0o600)
 
 
 def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str]:
-    port = _free_port()
+    from orchestrate.server import free_port
+
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="orchestrate-ray-", dir="/tmp")  # short: Ray's socket paths are limited
     env = {**os.environ, **HEAD_ENVIRONMENT}
-    head_log = open(folder / "ray-head.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--include-dashboard=false",
-         "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env=env, stdout=head_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)  # its own process group: Ctrl-C in this terminal later does not reach it
+    with open(folder / "ray-head.log", "w") as head_log:  # the head writes it; this process need not hold it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+             "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+            env=env, stdout=head_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # its own process group: Ctrl-C in this terminal later does not reach it
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while "Ray runtime started" not in (folder / "ray-head.log").read_text(errors="replace"):
@@ -228,18 +227,14 @@ def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str
 
 
 def up(num_cpus: int | None, store: str) -> Stack:
-    """Start the stack (or return the one that is up), record it, and return it."""
+    """Start the stack, record it, and return it (`main` first looks for one that is up)."""
     import ray
 
     from orchestrate.server import MlflowServer
-    from orchestrate.sweeps._server import own_server, write_ahead
-    from orchestrate.tracking.stores import absolute_uri, new_sqlite_store
+    from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, write_ahead
 
-    running = found()
-    if running is not None:
-        return running
     store = absolute_uri(store)
-    if not own_server(store, True):
+    if not store.startswith("sqlite:///"):
         raise ValueError(f"--store={store}: allowed: a SQLite store (sqlite:///PATH); a team's server on "
                          "PostgreSQL is `orchestrate server`")
     folder = state_dir()
@@ -272,34 +267,22 @@ def _stop_pid(pid: int) -> None:
     """SIGTERM to the process group `pid` leads (each was started in a session of its own), then
     SIGKILL to what is left of it after STOP_TIMEOUT_S."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
+        if not _group_alive(pid):
             return
+        os.killpg(pid, sig)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            with_child = _reap(pid)
-            if with_child:
-                return
+        while _group_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
-def _reap(pid: int) -> bool:
-    """Reap `pid` if it is this process's child and has ended (a test's own `up`); whether the
-    group is gone."""
-    try:
+def _group_alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):  # this process's own child (a failed `up`): reaped, not a zombie
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     try:
         os.killpg(pid, 0)
-        return False
-    except (ProcessLookupError, PermissionError):
         return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def down() -> Stack | None:
@@ -330,17 +313,21 @@ def main(argv: list[str]) -> int:
     if args.num_cpus is not None and args.num_cpus < 1:
         print(f"error: --num-cpus={args.num_cpus}: must be 1 or more", file=sys.stderr)
         return 2
-    was_up = found()
+    running = found()
+    if running is not None:
+        print(f"already up: {running.describe()}\n`orchestrate down` stops it (then `orchestrate up` starts one for "
+              "another store or size).", flush=True)
+        return 0
     try:
         stack = up(args.num_cpus, args.store)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # what it started failed (ServerError too)
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{'already up' if was_up else 'up'}: {stack.describe()}\n"
-          f"Commands on this machine join it by themselves; `orchestrate down` stops it.", flush=True)
+    print(f"up: {stack.describe()}\nCommands on this machine join it by themselves; `orchestrate down` stops it.",
+          flush=True)
     return 0
 
 

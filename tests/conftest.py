@@ -91,18 +91,27 @@ def ray_shared():
     ray.shutdown()
 
 
+@dataclass(frozen=True)
+class WarmStack:
+    state: Path  # its ORCHESTRATE_STATE_DIR: a command run with it joins the stack
+    folder: Path  # the folder whose store (mlflow.db) its MLflow server fronts
+    printed: str  # what `orchestrate up` printed
+
+
 @pytest.fixture(scope="session")
-def warm_stack(tmp_path_factory) -> Path:
-    """`orchestrate up --num-cpus 2` once for the session, in a state folder of its own; yields
-    that folder: a test's commands run warm when their ORCHESTRATE_STATE_DIR names it (cold
-    otherwise: `own_state_dir`). `orchestrate down` at the end."""
+def warm_stack(tmp_path_factory) -> WarmStack:
+    """`orchestrate up --num-cpus 2` once for the session, for a folder's store, started from
+    another folder (the head's processes run where it started); a test's commands run warm when
+    their ORCHESTRATE_STATE_DIR names its state folder (cold otherwise: `own_state_dir`).
+    tests/test_stack.py shows it and ends with `orchestrate down`; here again at the end."""
     state, folder = tmp_path_factory.mktemp("warm_stack_state"), tmp_path_factory.mktemp("warm_stack")
     env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state)}
-    up = subprocess.run([sys.executable, "-m", "orchestrate", "up", "--num-cpus", "2"], cwd=folder, env=env,
-                        capture_output=True, text=True, timeout=300)
+    up = subprocess.run([sys.executable, "-m", "orchestrate", "up", "--num-cpus", "2",
+                         f"--store=sqlite:///{folder}/mlflow.db"], cwd=state, env=env, capture_output=True,
+                        text=True, timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
-    yield state
-    subprocess.run([sys.executable, "-m", "orchestrate", "down"], cwd=folder, env=env, capture_output=True, timeout=300)
+    yield WarmStack(state, folder, up.stdout)
+    subprocess.run([sys.executable, "-m", "orchestrate", "down"], cwd=state, env=env, capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="session")

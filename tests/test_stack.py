@@ -1,7 +1,7 @@
-"""`orchestrate up` / `orchestrate down` (orchestrate.stack): the warm local stack, started once
-for this module as a user starts it, joined by a runner command and a sweep typed as usual, seen
-beside a cold command, then stopped. A record whose stack is gone is ignored in well under a
-second, with one line."""
+"""`orchestrate up` / `orchestrate down` (orchestrate.stack): the session's warm stack (started
+once, as a user starts it, by tests/conftest.py's `warm_stack`), joined by a sweep typed as usual,
+a cold runner beside it, clusters refused up front, then stopped. A record whose stack is gone is
+ignored in well under a second, with one line."""
 
 import json
 import logging
@@ -26,16 +26,10 @@ def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subp
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """`orchestrate up --num-cpus 2` for a folder's store; `orchestrate down` at the end (also
-    checked by the last test, which stops it itself)."""
-    folder, state = tmp_path_factory.mktemp("warm"), tmp_path_factory.mktemp("warm_state")
-    # Started from another folder, for `folder`'s store: the head's processes run where it started.
-    done = orchestrate("up", "--num-cpus", "2", f"--store=sqlite:///{folder}/mlflow.db", cwd=state, state=state,
-                       timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    yield folder, state, done.stdout
-    orchestrate("down", cwd=folder, state=state)
+def warm(warm_stack):
+    """The session's warm stack (tests/conftest.py): (its folder, its state folder, what `up`
+    printed). The last test here stops it."""
+    return warm_stack.folder, warm_stack.state, warm_stack.printed
 
 
 def record(state: Path) -> stack.Stack:
@@ -141,6 +135,7 @@ def test_a_head_of_another_ray_version_is_refused_by_name(warm, monkeypatch):
     from orchestrate import ray_cluster
 
     _, state, _ = warm
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # what the check may set in this process is put back after
     monkeypatch.setattr(ray, "__version__", "2.0.0")
     with pytest.raises(ray_cluster.RayUnavailable) as refused:
         ray_cluster.check_access(record(state).ray_address, "backend.ray_address")

@@ -242,6 +242,5 @@ class Sweep:
     def stop_server(self) -> None:
         server, self.server = self.server, None
         if server is not None:
-            self.server_warm = server.warm
-        if server is not None:
+            self.server_warm = server.warm  # for the summary, printed once it is stopped
             server.stop()

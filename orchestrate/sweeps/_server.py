@@ -2,12 +2,11 @@
 by the sweep callbacks in the launching process and stopped when the sweep closes."""
 
 import signal
-import sqlite3
 import tempfile
 from pathlib import Path
 
-from orchestrate.server import HEALTH_TIMEOUT_S, MlflowServer, ServerError
-from orchestrate.tracking.stores import training_experiment
+from orchestrate.server import HEALTH_TIMEOUT_S, MlflowServer, ServerError, health
+from orchestrate.tracking.stores import training_experiment, write_ahead
 
 
 def own_server(uri: str, tracking_server: bool) -> bool:
@@ -26,13 +25,6 @@ def prepare_store(sqlite_uri: str, experiment: str) -> None:
     write_ahead(sqlite_uri)
 
 
-def write_ahead(sqlite_uri: str) -> None:
-    """Write-ahead logging: readers (the sweep's summary, the UI) no longer block the writer. The
-    setting is stored in the database file."""
-    with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as db:
-        db.execute("PRAGMA journal_mode=WAL")
-
-
 class WarmServer:
     """The warm stack's MLflow server (`orchestrate up`, orchestrate.stack) in front of the sweep's
     store: used as the sweep's own would be, never stopped by it."""
@@ -43,13 +35,7 @@ class WarmServer:
         self.uri, self.artifacts = uri, Path(artifacts)
 
     def answers(self, timeout_s: float = 2.0) -> bool:
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(f"{self.uri}/health", timeout=timeout_s).close()
-            return True
-        except OSError:
-            return False
+        return health(self.uri, timeout_s)
 
     def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         pass
@@ -62,8 +48,8 @@ def warm_server(sqlite_uri: str) -> WarmServer | None:
     """The warm stack's server, if it fronts `sqlite_uri` and answers."""
     from orchestrate import stack
 
-    found = stack.server_for(sqlite_uri)
-    return WarmServer(found, stack.found().artifacts) if found else None
+    warm = stack.server_for(sqlite_uri)
+    return WarmServer(warm.server_uri, warm.artifacts) if warm else None
 
 
 class TrackingServer(MlflowServer):

@@ -38,6 +38,15 @@ def training_experiment(client, name: str) -> str:
     return found.experiment_id
 
 
+def write_ahead(sqlite_uri: str) -> None:
+    """Write-ahead logging: readers (a sweep's summary, the UI) no longer block the writer (a
+    sweep's or the warm stack's server). The setting is stored in the database file."""
+    import sqlite3
+
+    with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+
+
 def new_sqlite_store(uri: str) -> None:
     """A SQLite store that does not exist yet starts as a copy of an empty one at MLflow's latest
     schema. MLflow would otherwise create the tables and replay its schema migrations on every new

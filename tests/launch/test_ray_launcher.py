@@ -76,7 +76,7 @@ def warm(warm_stack, monkeypatch):
     """The session's warm stack (`orchestrate up`) for the apps Hydra's integration suite starts:
     each joins its Ray head instead of starting a local Ray (a Ray start per test, for nothing
     these tests show); the subprocess tests below show the cold path."""
-    monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(warm_stack))
+    monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(warm_stack.state))
 
 
 @pytest.mark.usefixtures("warm")

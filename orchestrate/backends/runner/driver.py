@@ -190,10 +190,12 @@ class RunnerBackend(Backend):
                 ray_cluster.check_access(address, key)
             except ray_cluster.RayUnavailable as e:
                 raise ConfigError(str(e)) from None
+            return
+        # This machine, or the warm head on it: no autoscaler, what it has is all it will have.
         wanted = t.num_workers * self.cpus_per_worker
-        warm = stack.found() if self.ray_address is None and "RAY_ADDRESS" not in os.environ else None
+        warm = None if self.in_driver(t.num_workers) else stack.found()
         have, where = (warm.num_cpus, "the warm Ray head (orchestrate up)") if warm else (os.cpu_count() or 1, "this machine")
-        if self.ray_address is None and "RAY_ADDRESS" not in os.environ and wanted > have:
+        if wanted > have:
             raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
 
@@ -289,17 +291,16 @@ class RunnerBackend(Backend):
                   "resume": ray.put(resume) if resume is not None and not in_driver else resume,
                   "uri": absolute_uri(tracker.uri) if tracker else None,
                   "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
-        with quiet_local_mode(in_driver):
-            trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
         # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
         # a KeyboardInterrupt out of fit()'s wait; the run is marked KILLED, then `connect` aborts
         # the controller (it stops the workers) and shuts down a Ray started here.
         controllers: list = []
-        trainer._register_sigint_handler = controllers.append  # handed the controller actor
         try:
             with train_environment(), quiet_local_mode(in_driver):
+                trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
+                trainer._register_sigint_handler = controllers.append  # handed the controller actor
                 result = trainer.fit()
         except KeyboardInterrupt as e:
             if not in_driver:  # a worker group's controller, aborted once the run is marked KILLED

@@ -30,16 +30,17 @@ def worker_loop(config: dict) -> dict | None:
     import ray.train
     from ray.train.v2._internal.execution import context as train_context
 
-    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)  # not a console line per report
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     in_driver = config.get("in_driver", False)
     if in_driver:
         # One worker in the driver's process (Ray Train's local mode): no worker group, so no
         # process group either; a one-rank one makes the same collectives (DDP's, the meter's)
-        # run as they do across workers. Its log is the driver's (Hydra's app.log).
+        # run as they do across workers. Its log is the driver's (Hydra's app.log); Ray Train's
+        # lines are kept off its console by the driver (driver.quiet_local_mode).
         with _one_rank_group():
             return _loop(config, rank, world, in_driver)
+    logging.getLogger(train_context.__name__).setLevel(logging.WARNING)  # not a console line per report
     log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
     return _loop(config, rank, world, in_driver)
 
