@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python $(ROOT)benchmarks/backends.py $(ARGS)
 
 ui:
+	@$(BIN)/python -c 'from orchestrate.tracking.stores import runs_pages; print(*runs_pages("sqlite:///mlflow.db"), sep="\n")'
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 # The team's MLflow server: its own PostgreSQL in ./mlflow-server, artifacts served, on 127.0.0.1:5000.

@@ -30,6 +30,7 @@ from orchestrate.tracking.stores import open_ui, reachable
 @dataclass
 class Result:
     run_id: str
+    experiment_id: str
     metrics: dict[str, float]
     out_dir: Path
     history: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], as logged
@@ -140,7 +141,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             png = plots.loss_curves({job.backend.name: job.meter.history}, job.out_dir / "loss_curves.png",
                                     title=choices)
             tracker.log_artifact(png)
-    result = Result(run_id=tracker.run_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
+    result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
     print_summary(cfg, job, result, in_sweep=plan.handed_over is not None)
     return result
 
@@ -181,7 +182,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
             lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
     if not in_sweep:  # a sweep's trial: the sweep's summary says where to look (and how it started)
         lines.append(f"  {'start':<18} {stack.start_line(job.ray, None)}")
-        lines.append(f"  {open_ui(cfg.tracking.uri)}")
+        lines += [f"  {line}" for line in open_ui(cfg.tracking.uri, result.experiment_id).splitlines()]
     print("\n".join(lines), flush=True)
 
 

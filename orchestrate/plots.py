@@ -4,12 +4,41 @@ A bare `Figure` draws with the Agg renderer: no pyplot, no GUI backend chosen fo
 process, and matplotlib is imported only when a chart is drawn (not on a command that is refused).
 """
 
+import contextlib
+import logging
 from pathlib import Path
+
+
+class _LogFileOnly(logging.Filter):
+    """On a console handler: matplotlib's notices below WARNING (on a fresh machine, "generated new
+    fontManager" while it builds its font cache) are left to the run's log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] != "matplotlib"
+
+
+@contextlib.contextmanager
+def _notices_to_log_file():
+    from orchestrate.ort import console_handlers
+
+    handlers, hide = console_handlers(), _LogFileOnly()
+    for handler in handlers:
+        handler.addFilter(hide)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hide)
 
 
 def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
     """`curves`: label -> metric name -> [(step, value)]. Train loss solid, eval loss dashed,
     one colour per label, so several runs overlay on one chart."""
+    with _notices_to_log_file():
+        return _draw(curves, path, title)
+
+
+def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 5))

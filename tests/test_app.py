@@ -131,6 +131,8 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
     client = client_for(uri)
     runs = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
     assert sorted(r.info.run_id for r in runs) == sorted([resumed.run_id, reference.run_id])  # the killed one went on
+    # The summary's way into the UI ends on the experiment's runs table.
+    assert f"\n  then open          http://127.0.0.1:5000/#/experiments/{runs[0].info.experiment_id}/runs\n" in printed
     assert client.get_run(resumed.run_id).info.status == "FINISHED"
     steps = metric_steps(client, resumed.run_id, "train/loss")
     assert [s for s, _ in steps] == list(range(1, 41))

@@ -217,7 +217,7 @@ class Sweep:
             timing += f"; the first started {first:.1f} s after the sweep began"
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
               f"{text}\n{timing}\nstart: {stack.start_line(ray_cluster.how(), self.server_warm)}\n"
-              f"{open_ui(self.settings.tracking_uri)}", flush=True)
+              f"{open_ui(self.settings.tracking_uri, self.experiment_id)}", flush=True)
 
     def log_chart(self, rows: list[_summary.Row]) -> None:
         curves = {}

@@ -78,6 +78,7 @@ class Run(RunLogger):
             tags = {**run_tags(out_dir), **tags, **redact(dict(cfg.tracking.tags))}
             run = self._start(client, cfg, plan, run_name, tags)
             super().__init__(plan.uri, run.info.run_id, out_dir)
+            self.experiment_id = run.info.experiment_id  # the UI line opens its runs page
             tell_wrapper(plan.uri, run.info.run_id)
             self._record(cfg, plan, run, tags)
         except BaseException:

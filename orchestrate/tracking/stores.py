@@ -179,13 +179,37 @@ def absolute_uri(uri: str) -> str:
     return uri
 
 
-def open_ui(uri: str) -> str:
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `ui_command`'s UI listens
+
+
+def runs_page(address: str, experiment_id: str) -> str:
+    """The experiment's runs table (its Dataset and Models columns) in MLflow's UI: a fresh browser
+    opened on the bare address lands on MLflow 3's GenAI overview (traces, token usage) instead."""
+    return f"{address.rstrip('/')}/#/experiments/{experiment_id}/runs"
+
+
+def open_ui(uri: str, experiment_id: str | None = None) -> str:
     """How to see the runs: a tracking server serves the UI at its own address (`mlflow ui
-    --backend-store-uri http://...` would exit 1: an HTTP store is no store the UI can open);
-    any other store through `ui_command`."""
+    --backend-store-uri http://...` would exit 1: an HTTP store is no store the UI can open),
+    opened on the experiment's runs page; any other store through `ui_command`, runnable as
+    printed, with the page to open on a second line."""
     if uri.startswith(("http://", "https://")):
-        return f"open the UI at     {redact_text(uri)}"
-    return f"open the UI with   {ui_command(uri)}"
+        return f"open the UI at     {runs_page(redact_text(uri), experiment_id) if experiment_id else redact_text(uri)}"
+    line = f"open the UI with   {ui_command(uri)}"
+    return line + (f"\nthen open          {runs_page(UI_ADDRESS, experiment_id)}" if experiment_id else "")
+
+
+def runs_pages(sqlite_uri: str) -> list[str]:
+    """`make ui`'s lines before it starts the UI on `sqlite_uri`: each experiment's runs page
+    (MLflow's own Default experiment left out when empty)."""
+    if not Path(sqlite_uri.removeprefix("sqlite:///")).is_file():
+        return [f"no runs yet in {sqlite_uri}"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    found = sorted(client.search_experiments(), key=lambda e: int(e.experiment_id))  # oldest first
+    return [f"{e.name}: {runs_page(UI_ADDRESS, e.experiment_id)}" for e in found
+            if e.name != "Default" or client.search_runs([e.experiment_id], max_results=1)]
 
 
 def ui_command(uri: str) -> str:

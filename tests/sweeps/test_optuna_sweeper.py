@@ -203,7 +203,7 @@ def test_ctrl_c_ends_the_sweep_with_its_summary_and_the_same_command_goes_on(tmp
     stopped = time.monotonic()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and time.monotonic() - stopped < 60, out[-3000:]
-    assert "stopped by Ctrl-C" in out and out.rstrip().splitlines()[-1].startswith("open the UI"), out[-3000:]
+    assert "stopped by Ctrl-C" in out and out.rstrip().splitlines()[-1].startswith("then open"), out[-3000:]
     _, _, children = sweep_runs(tmp_path)
     assert sorted(c.info.status for c in children) == ["KILLED", "KILLED"]
     assert sorted(t.state.name for t in study_of(tmp_path).trials) == ["RUNNING", "RUNNING"]

@@ -87,7 +87,7 @@ def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_s
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
-    _, done = small_sweep(launcher)
+    folder, done = small_sweep(launcher)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     summary = out.index("\nsweep summary (MLflow parent run ")
@@ -96,10 +96,12 @@ def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
     assert len(trial_lines) == (0 if launcher == "submitit_local" else 2)
     assert all(at < summary for at in trial_lines)
     assert "| optimizer.lr=0.01 | FINISHED |" in out[summary:]
-    last = out.rstrip().splitlines()[-1]
-    assert last.startswith("open the UI with   ")
-    assert last.endswith(" ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000")
-    assert shutil.which(shlex.split(last[len("open the UI with   "):])[0])  # runnable as printed
+    ui, page = out.rstrip().splitlines()[-2:]
+    assert ui.startswith("open the UI with   ")
+    assert ui.endswith(" ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000")
+    assert shutil.which(shlex.split(ui[len("open the UI with   "):])[0])  # runnable as printed
+    _, (parent,), _ = runs_of(folder)
+    assert page == f"then open          http://127.0.0.1:5000/#/experiments/{parent.info.experiment_id}/runs"
     # Only the summary says where to look, and never at the sweep's own server (gone by then).
     assert out.count("open the UI with") == 1 and "View run" not in out
 

@@ -7,8 +7,8 @@ import sys
 import time
 
 from orchestrate.tracking.run import Run, which_run
-from orchestrate.tracking.stores import (EXPERIMENT_KIND, new_sqlite_store, open_ui, reachable, training_experiment,
-                                       ui_command)
+from orchestrate.tracking.stores import (EXPERIMENT_KIND, new_sqlite_store, open_ui, reachable, runs_pages,
+                                       training_experiment, ui_command)
 from tests.conftest import client_for
 
 
@@ -27,6 +27,22 @@ def test_a_tracking_server_is_opened_at_its_own_address():
     assert open_ui("http://127.0.0.1:5055") == "open the UI at     http://127.0.0.1:5055"
     assert open_ui("sqlite:///mlflow.db").startswith("open the UI with   ") and " ui --backend-store-uri sqlite" \
         in open_ui("sqlite:///mlflow.db")
+    # With the experiment: its runs table (a fresh browser on the bare address lands on MLflow 3's
+    # GenAI overview, not the runs).
+    assert open_ui("http://127.0.0.1:5055", "3") == "open the UI at     http://127.0.0.1:5055/#/experiments/3/runs"
+    ui, page = open_ui("sqlite:///mlflow.db", "3").splitlines()
+    assert ui == open_ui("sqlite:///mlflow.db")
+    assert page == "then open          http://127.0.0.1:5000/#/experiments/3/runs"
+
+
+def test_make_ui_names_each_experiment_s_runs_page(tmp_path):
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    assert runs_pages(store) == [f"no runs yet in {store}"]
+    new_sqlite_store(store)
+    client = client_for(store)
+    first, second = (training_experiment(client, name) for name in ("orchestrate", "other"))
+    assert runs_pages(store) == [f"orchestrate: http://127.0.0.1:5000/#/experiments/{first}/runs",
+                                 f"other: http://127.0.0.1:5000/#/experiments/{second}/runs"]
 
 
 def test_an_unreachable_tracking_uri_stops_the_command_in_seconds(tmp_path):
