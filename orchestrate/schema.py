@@ -240,6 +240,29 @@ def check(cfg: DictConfig) -> None:
     if not str(cfg.tracking.experiment).strip():
         raise ConfigError("tracking.experiment='': MLflow needs an experiment name; allowed: any non-empty name "
                           "(default: orchestrate)")
+    check_tracking_names(cfg.tracking)
+
+
+def check_tracking_names(tracking: DictConfig) -> None:
+    """The names MLflow checks only when it is handed them (the registered model's at the run's
+    end, the tags' at its start), checked before anything runs, by MLflow's own rules."""
+    if tracking.register_model is None and not tracking.tags:
+        return  # (MLflow's import is not paid for a config that names nothing)
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils import validation  # MLflow's own checks: no public way to ask them
+
+    checks = [(f"tracking.tags: the key {key!r}", key, validation._validate_tag_name,
+               "a key of letters, digits, spaces and _ - . : /, not a path that leaves its folder")
+              for key in tracking.tags]
+    if tracking.register_model is not None:
+        checks.append((f"tracking.register_model={tracking.register_model}", tracking.register_model,
+                       validation._validate_model_name,
+                       "a non-empty name without '/' or ':', or null (logged, not registered)"))
+    for shown, value, validate, allowed in checks:
+        try:
+            validate(str(value))
+        except MlflowException as e:
+            raise ConfigError(f"{shown}: {e.message.rstrip('.')}; allowed: {allowed}") from None
 
 
 def target_of(node: DictConfig, key: str) -> Any:

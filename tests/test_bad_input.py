@@ -49,6 +49,9 @@ CASES = [
     (["tracking.uri=ftp://x"], "tracking.uri=ftp://x: MLflow has no tracking store for ftp://; allowed: a folder,"),
     (["trainer.resume=zzz"], "trainer.resume=zzz: no MLflow store at sqlite:///mlflow.db, so no such run"),
     (["tracking.experiment="], "tracking.experiment='': MLflow needs an experiment name"),
+    # names MLflow would refuse only when handed them: the registered model's at the run's end
+    (["tracking.register_model=bad/name:x"], "tracking.register_model=bad/name:x: Invalid model name 'bad/name:x'. "
+                                            "Names cannot contain '/' or ':'; allowed: a non-empty name without"),
     # keys, types, ranges
     (["trainer.max_steps="], "trainer.max_steps: Value '' of type 'str' could not be converted to Integer"),
     (["trainer.max_steps=1e400"], "trainer.max_steps: Value 'inf' of type 'float' could not be converted to Integer"),
@@ -188,3 +191,14 @@ def test_random_yaml_files_in_a_config_dir_are_accepted_or_refused_with_one_line
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert "full traceback in" not in err, f"{text!r} crashed the check: {err}"
+
+
+def test_a_tag_key_mlflow_would_refuse_is_refused_before_the_run():
+    """Tags from a user's YAML (an override's key cannot spell these): checked by MLflow's rules."""
+    from omegaconf import OmegaConf
+
+    from orchestrate.schema import ConfigError, check_tracking_names
+
+    with pytest.raises(ConfigError, match=r"^tracking.tags: the key 'a\*b': Invalid value \"a\*b\" for parameter 'key'"):
+        check_tracking_names(OmegaConf.create({"register_model": None, "tags": {"a*b": "1"}}))
+    check_tracking_names(OmegaConf.create({"register_model": "digits-mlp", "tags": {"team": "vision"}}))

@@ -74,8 +74,16 @@ def log_model(client, run_id: str, path: Path, sample: np.ndarray, step: int, re
     if linked:
         client.log_batch(run_id, metrics=linked)
     if register is not None:
-        add_version(client, register, model.model_id, run_id, {m.key: m.value for m in linked})
+        try:
+            add_version(client, register, model.model_id, run_id, {m.key: m.value for m in linked})
+        except Exception as e:  # noqa: BLE001 - the model is logged; the registry's refusal is the run's outcome
+            raise NotRegistered(f"the model {model.model_id} was logged, not registered as {register.name} "
+                                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
     return model.model_id
+
+
+class NotRegistered(Exception):
+    """The LoggedModel is READY, its registration as a new version (tracking.register_model) failed."""
 
 
 def add_version(client, register: Registration, model_id: str, run_id: str, metrics: dict[str, float]) -> None:

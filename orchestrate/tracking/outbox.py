@@ -109,6 +109,7 @@ class Outbox:
         self.spilled = 0  # items written straight to the file (the memory limit was reached)
         self.refused = 0  # items the server answered with an error (HTTP 4xx): not sent again
         self.sent = 0  # items done with (taken or refused): the end of the run waits while this grows
+        self.not_registered: list[str] = []  # models logged whose registration failed: the run fails
         self.thread = threading.Thread(target=self._run, name=f"mlflow-outbox-{run_id[:8]}", daemon=True)
         # urllib3 says "Retrying ..." for each failed try of each request: not from this thread,
         # which says once that the server is away and once that it is back.
@@ -281,8 +282,12 @@ class Outbox:
                 from orchestrate.tracking import models
 
                 item = batch[0]
-                models.log_model(self.client, self.run_id, Path(item.path), item.sample, item.step, item.register,
-                                 item.name, item.evaluation, item.eval_dataset)
+                try:
+                    models.log_model(self.client, self.run_id, Path(item.path), item.sample, item.step, item.register,
+                                     item.name, item.evaluation, item.eval_dataset)
+                except models.NotRegistered as e:  # logged: sending it again would log it twice
+                    log.warning(str(e))
+                    self.not_registered.append(str(e))
             else:
                 self.client.log_batch(self.run_id, metrics=[m for m in batch if isinstance(m, Metric)],
                                       tags=[t for t in batch if not isinstance(t, Metric)], synchronous=True)

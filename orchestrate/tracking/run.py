@@ -27,6 +27,7 @@ from orchestrate.redact import redact, redacted_yaml
 from orchestrate.tracking.environment import installed_packages, run_tags
 from orchestrate.tracking.handover import handed_over_run, interrupted, tell_wrapper
 from orchestrate.tracking.logger import RunLogger
+from orchestrate.tracking.models import NotRegistered
 from orchestrate.tracking.outbox import UNSENT_FILE, cause
 from orchestrate.tracking.params import flatten
 from orchestrate.tracking.resume import ResumePoint, close_orphans, find_resume
@@ -168,6 +169,11 @@ class Run(RunLogger):
             if self.monitor is not None:
                 self.monitor.finish()  # its last points, before the run ends
             self.end_outbox()  # bounded: a server still away gets END_WAIT_S, then the file
+            if status == "FINISHED" and self.outbox.not_registered:  # trained and logged, the registry said no
+                status, failed = "FAILED", NotRegistered(self.outbox.not_registered[0])
+                self.client.set_tag(self.run_id, "error", errors.one_line(failed)[:5000])
+                errors.mark(failed, run=self.run_id)
+                raise failed
         finally:
             try:
                 self.client.set_terminated(self.run_id, status)

@@ -133,6 +133,28 @@ def test_registered_in_a_local_store_best_stays_with_the_better_model(make_cfg, 
     assert newest.metadata.run_id == worse.run_id
 
 
+
+def test_a_registration_the_registry_refuses_fails_the_run_with_its_model_logged(make_cfg, tmp_path, monkeypatch):
+    """A name that passes the up-front check can still be refused at the end (a registry that is
+    read-only, or down): the command fails (the run FAILED, saying why) and the model is logged."""
+    from mlflow.exceptions import MlflowException
+
+    from orchestrate.tracking import models
+
+    def refuse(*args, **kwargs):
+        raise MlflowException("the registry is read-only")
+
+    monkeypatch.setattr(models, "add_version", refuse)
+    cfg = make_cfg("backend=torch", "data=synthetic", "model.hidden=[16]", "tracking.register_model=refused-mlp")
+    with pytest.raises(models.NotRegistered, match=r"was logged, not registered as refused-mlp \(MlflowException: "
+                                                    r"the registry is read-only\)"):
+        app.train(cfg, tmp_path / "out")
+    client = client_for(cfg.tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.status == "FAILED" and "not registered as refused-mlp" in run.data.tags["error"]
+    (model,) = [m for m in client.search_logged_models([run.info.experiment_id]) if m.name == "model"]
+    assert (model.source_run_id, str(model.status)) == (run.info.run_id, "READY")
+
 def test_the_data_is_on_the_run_and_its_digest_tells_data_sets_apart(registered):
     client, first, second, other = registered
     def inputs(result):
