@@ -24,7 +24,7 @@ from orchestrate.sweeps import pruning
 from orchestrate.tracking.run import Run, which_run
 from orchestrate.tracking.handover import finished_run_metrics
 from orchestrate.tracking.params import config_key
-from orchestrate.tracking.stores import open_ui, reachable
+from orchestrate.tracking.stores import deleted_experiment, open_ui, reachable
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Checked:
     """What the checks of many configs (a sweep's trials) share."""
 
     stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
+    experiments: dict[tuple[str, str], str | None] = field(default_factory=dict)  # `deleted_experiment`'s answers
     models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
 
 
@@ -79,6 +80,11 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
     if checked.stores[uri]:
         raise schema.ConfigError(checked.stores[uri])
     job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None)
+    experiment = (uri, cfg.tracking.experiment)
+    if experiment not in checked.experiments:  # MLflow would refuse the run only once it opens
+        checked.experiments[experiment] = deleted_experiment(*experiment)
+    if checked.experiments.get(experiment):
+        raise schema.ConfigError(checked.experiments[experiment])
     which_run(cfg)
     return job
 
@@ -194,6 +200,10 @@ def job_log(hydra_cfg) -> str | None:
 
 def diverged_message(e: Diverged, folder: Path, resumable: bool = True) -> str:
     """One line: the step, the run FAILED, the checkpoint kept from before it, what to do next."""
+    if e.step == 1 and e.what == "loss":  # before any update: the learning rate has not acted yet
+        return (f"{e}, before any update; the MLflow run is marked FAILED. The inputs or the model's first forward "
+                "give non-finite values, not the learning rate: check the data set's inputs for nan or inf, "
+                "and the model's forward on them")
     kept = checkpoints.latest(folder)
     return (f"{e}; the MLflow run is marked FAILED. "
             + (f"The last checkpoint before it, {kept}, is kept: the same command with a lower optimizer.lr and "

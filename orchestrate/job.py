@@ -6,6 +6,7 @@ process unless the runner's workers say otherwise)."""
 import dataclasses
 import inspect
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, ort, schema
+from orchestrate import checkpoints, losses, ort, schema
 from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
@@ -58,6 +59,7 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
     parameter with no elements (a layer of width 0) is refused first: torch runs it, ORT does not."""
     sample = data.sample_input()
     target = cfg.model._target_
+    check_finite_inputs(data, sample)
     for name, parameter in model.named_parameters():
         if parameter.numel() == 0:
             raise schema.ConfigError(f"model ({target}): parameter {name} has no elements (shape "
@@ -94,6 +96,61 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
             f"targets have shape {list(targets.shape)}: data.loss=cross_entropy needs one row of logits per target "
             "(a model that scores every position, such as a language model, needs per-position targets, e.g. "
             "data=python_source; a classifier needs one target per sample)")
+    # The loss itself, as the loops compute it: one that does not fit the targets (mse on class ids)
+    # would otherwise fail the first step, after the MLflow run opened; one that only warns
+    # broadcasts the two shapes against each other and trains on the wrong pairs.
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            losses.get(data.loss).torch(out, targets)
+    except Exception as e:  # whatever torch raises, the first step would raise too
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise schema.ConfigError(
+            f"data.loss={data.loss} cannot score model ({target})'s output of shape {list(out.shape)} against data's "
+            f"targets of shape {list(targets.shape)} ({str(targets.dtype).removeprefix('torch.')}): {reason}; allowed: "
+            f"{', '.join(fitting_losses(out, targets)) or 'a loss that takes these shapes'}") from None
+
+
+def fitting_losses(out: torch.Tensor, targets: torch.Tensor) -> list[str]:
+    """The registry's losses that score `out` against `targets` without an error."""
+    fitting = []
+    for name, loss in losses.LOSSES.items():
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                loss.torch(out, targets)
+            fitting.append(f"data.loss={name}")
+        except Exception:  # noqa: BLE001 - any refusal means it does not fit
+            pass
+    return fitting
+
+
+def check_lengths(data: DataSet) -> None:
+    """A data set whose num_train (the positions its sampler draws from) is more than its arrays
+    hold would fail in the epoch that first draws a position past their end."""
+    arrays = {name: getattr(data, name) for name in ("x_train", "y_train") if hasattr(data, name)}
+    num_train = getattr(data, "num_train", None)
+    for name, array in arrays.items():
+        if isinstance(num_train, int) and num_train > len(array):
+            raise schema.ConfigError(
+                f"data ({type(data).__name__}): num_train={num_train}, but {name} holds {len(array)} samples; "
+                f"num_train must not exceed the length of x_train and y_train "
+                f"({', '.join(f'{n}: {len(a)}' for n, a in arrays.items())})")
+
+
+def check_finite_inputs(data: DataSet, sample: torch.Tensor) -> None:
+    """Inputs with nan or inf make the first loss non-finite whatever the learning rate: refused
+    here, over the whole training set where it is in memory (TensorData), else the sample batch."""
+    inputs = getattr(data, "x_train", sample)
+    if not (isinstance(inputs, torch.Tensor) and inputs.is_floating_point()):
+        return
+    bad = ~torch.isfinite(inputs)
+    if bad.any():
+        where = bad.reshape(len(inputs), -1).any(dim=1).nonzero()[0].item() if inputs.dim() else 0
+        raise schema.ConfigError(
+            f"data ({type(data).__name__}): {int(bad.sum())} of {inputs.numel()} training input values are nan or "
+            f"inf (the first in sample {where}); the first loss would be non-finite whatever the learning rate: "
+            "clean or impute them in the data set")
 
 
 def size_hint(cfg: DictConfig) -> str:
@@ -144,6 +201,7 @@ class Job:
         ort.load()  # before anything imports it: what its import prints goes to the log
         backend = schema.build(cfg.backend, "backend")
         data = build_data(cfg.data)
+        check_lengths(data)
         key = model_key(cfg) if models is not None else None
         rng_after_build = None  # kept for a job built on its own (not from the checks' shared models)
         if key is not None and key in models:

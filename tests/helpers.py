@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrate.backends.torch import TorchBackend
-from orchestrate.tasks.data import Synthetic
+from orchestrate.tasks.data import Digits, Synthetic
 from orchestrate.tasks.models import MLP
 
 
@@ -303,3 +303,20 @@ def prints_no_cuda_notice() -> bool:
     done = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True,
                           timeout=300)
     return "No CUDA runtime is found" in done.stdout + done.stderr
+
+
+class NanColumnDigits(Digits):
+    """The digits with one input column of nan, as a user's data set with a missing feature."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.x_train[:, 3] = float("nan")
+        self._x = self.x_train.numpy()
+
+
+class LongerThanItsArrays(Synthetic):
+    """A TensorData subclass whose num_train says more samples than its arrays hold."""
+
+    @property
+    def num_train(self) -> int:
+        return len(self.x_train) + 2021

@@ -91,6 +91,16 @@ CASES = [
     (["--nope"], "--nope: unknown option; allowed: --help/-h,"),
     (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
     (["backend"], "backend: an override needs a value"),
+    # data and loss that do not fit, found on the sample batch before the run opens
+    (["data.loss=mse"], "data.loss=mse cannot score model (orchestrate.tasks.models.MLP)'s output of shape [2, 10] "
+                        "against data's targets of shape [2] (int64): Using a target size (torch.Size([2])) that is "
+                        "different to the input size (torch.Size([2, 10]))"),
+    (["data._target_=tests.helpers.NanColumnDigits"],
+     "data (NanColumnDigits): 1438 of 92032 training input values are nan or inf (the first in sample 0); the first "
+     "loss would be non-finite whatever the learning rate"),
+    (["data=synthetic", "data._target_=tests.helpers.LongerThanItsArrays"],
+     "data (LongerThanItsArrays): num_train=3557, but x_train holds 1536 samples; num_train must not exceed the "
+     "length of x_train and y_train (x_train: 1536, y_train: 1536)"),
 ]
 
 
@@ -202,3 +212,24 @@ def test_a_tag_key_mlflow_would_refuse_is_refused_before_the_run():
     with pytest.raises(ConfigError, match=r"^tracking.tags: the key 'a\*b': Invalid value \"a\*b\" for parameter 'key'"):
         check_tracking_names(OmegaConf.create({"register_model": None, "tags": {"a*b": "1"}}))
     check_tracking_names(OmegaConf.create({"register_model": "digits-mlp", "tags": {"team": "vision"}}))
+
+
+def test_a_deleted_experiment_is_named_with_the_way_back(tmp_path, monkeypatch, capsys):
+    """MLflow refuses runs in an experiment in its deleted state (and keeps the name): said before
+    anything runs, with how to restore it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    deleted = client.create_experiment("orchestrate")
+    client.delete_experiment(deleted)
+    capsys.readouterr()  # MLflow's own lines as it made the store
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["orchestrate", "trainer.max_steps=1"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: tracking.experiment=orchestrate: the experiment (id {deleted}) is deleted in "
+                   f"sqlite:///mlflow.db; restore it (`mlflow experiments restore --experiment-id {deleted}` with "
+                   "MLFLOW_TRACKING_URI=sqlite:///mlflow.db) or choose another name"), err
+    assert [p.name for p in tmp_path.iterdir()] == ["mlflow.db"]  # no outputs/, no crash file named

@@ -181,6 +181,18 @@ def test_a_diverging_run_is_one_line_exit_1_naming_the_step_and_the_checkpoint_k
     assert "trainer.on_nonfinite=skip" in err[0]
 
 
+
+def test_a_loss_non_finite_before_any_update_names_the_inputs_not_the_learning_rate(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(monkeypatch, "backend=torch", "data=synthetic", "trainer=quick",
+                     "data._target_=tests.helpers.NanFrom", "+data.start=0", "trainer.max_steps=10",
+                     "trainer.progress=false", "hydra.run.dir=out") == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and err[0].startswith(
+        "error: loss became nan at step 1, before any update; the MLflow run is marked FAILED. The inputs or the "
+        "model's first forward give non-finite values, not the learning rate"), err
+    assert "optimizer.lr" not in err[0]
+
 def test_a_run_takes_over_the_job_its_command_checked(tmp_path, monkeypatch, capsys):
     """The command builds the model once (for the check), and the run trains that model from the
     same RNG state as a run that built its own: the same final losses as app.train."""

@@ -38,6 +38,25 @@ def training_experiment(client, name: str) -> str:
     return found.experiment_id
 
 
+def deleted_experiment(uri: str, name: str) -> str | None:
+    """One sentence when `name` is an experiment in MLflow's deleted state in the store at `uri`
+    (MLflow refuses runs there, and keeps the name until `mlflow gc`); None otherwise, and for a
+    store not made yet (nothing opens it here)."""
+    if "://" not in uri or uri.startswith("file://"):
+        if not Path(uri.removeprefix("file://")).exists():
+            return None
+    elif uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return None
+    from mlflow.tracking import MlflowClient
+
+    found = MlflowClient(tracking_uri=uri).get_experiment_by_name(name)
+    if found is None or found.lifecycle_stage != "deleted":
+        return None
+    return (f"tracking.experiment={name}: the experiment (id {found.experiment_id}) is deleted in "
+            f"{redact_text(uri)}; restore it (`mlflow experiments restore --experiment-id {found.experiment_id}` with "
+            f"MLFLOW_TRACKING_URI={redact_text(uri)}) or choose another name")
+
+
 def write_ahead(sqlite_uri: str) -> None:
     """Write-ahead logging: readers (a sweep's summary, the UI) no longer block the writer (a
     sweep's or the warm stack's server). The setting is stored in the database file."""
