@@ -11,7 +11,9 @@ The store is `--tracking-uri`, else MLFLOW_TRACKING_URI, else the `tracking.uri`
 own config (`.hydra/config.yaml`, when it is not hidden there). Everything sent, the file becomes
 `mlflow_unsent.jsonl.sent`: a second sync sends nothing. A sync cut short sends it all again next
 time, which stores nothing twice: a metric point is the same row (key, value, step and time), a tag
-the same value, an upload the same file. `trainer.resume=auto` does the same for the run it
+the same value, an upload the same file. The trained model goes in as the LoggedModel the run would
+have logged (registered as it would have been), and the run then ends with the status it reached
+(FINISHED, FAILED, KILLED) when the server did not take that either. `trainer.resume=auto` does the same for the run it
 continues before training on. Exit code 0 when every folder was sent (or had nothing to send), 1
 when the server did not take it all, 2 for bad arguments.
 """
@@ -21,7 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrate.tracking.outbox import MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, cause, read_unsent, upload
+from orchestrate.tracking.outbox import (MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, Model, RunEnd, cause,
+                                         read_unsent, upload)
 from orchestrate.redact import HIDDEN, redact_text
 
 SENT_SUFFIX = ".sent"
@@ -43,8 +46,24 @@ def send_unsent(client, path: Path, by_run: dict[str, list] | None = None) -> in
             client.log_batch(run_id, tags=tags[start:start + MAX_TAGS], synchronous=True)
         for artifact in (i for i in items if isinstance(i, Artifact)):
             upload(client, run_id, artifact)
+        for model in (i for i in items if isinstance(i, Model)):  # the trained model, as the run would have
+            log_model(client, run_id, model)
+        for end in (i for i in items if isinstance(i, RunEnd)):  # last: the run ends once all of it is in
+            client.set_terminated(run_id, end.status, end.end_time)
     path.rename(path.with_name(path.name + SENT_SUFFIX))
     return sum(len(items) for items in by_run.values())
+
+
+def log_model(client, run_id: str, model: Model) -> None:
+    """The run's trained model as its LoggedModel (orchestrate.tracking.models), registered if the
+    run was to register it; a registry that refuses does not make the model be logged twice."""
+    from orchestrate.tracking import models
+
+    try:
+        models.log_model(client, run_id, Path(model.path), model.sample, model.step, model.register, model.name,
+                         model.evaluation, model.eval_dataset)
+    except models.NotRegistered as e:
+        print(f"warning: {e}", file=sys.stderr, flush=True)
 
 
 def folder_uri(folder: Path) -> str | None:

@@ -1,14 +1,31 @@
 """`orchestrate sync RUN_FOLDER`: what a run kept for a server that was away goes into its run, once."""
 
+import numpy as np
+
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE
 from tests.conftest import client_for
 
 
+def tiny_onnx(path) -> None:
+    """A 4-in, 3-out linear model in ONNX, made without torch's exporter."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "tiny",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])], [weights])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
 def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_run_once(tmp_path, capsys):
     """The server goes away before the run's end and is still away when the run ends (the kept
-    points go to mlflow_unsent.jsonl); it comes back; `orchestrate sync RUN_FOLDER` logs them into
-    the same run, each point once, and a second sync sends nothing."""
+    points, the trained model and the run's end go to mlflow_unsent.jsonl); it comes back;
+    `orchestrate sync RUN_FOLDER` logs them into the same run, each point once, the model as its
+    LoggedModel, and ends the run FINISHED, as the run itself would have; a second sync sends nothing."""
     from orchestrate import sync
     from orchestrate.server import MlflowServer
     from tests.helpers import free_port
@@ -24,7 +41,11 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
         for step in range(1, 21):
             logger.log_metrics({"train/loss": 1.0 / step}, step=step)
         logger.set_tags({"after": "outage"})
+        tiny_onnx(tmp_path / "model.onnx")
+        logger.log_model(tmp_path / "model.onnx", np.ones((2, 4), np.float32), step=20)  # the trained model
+        (tmp_path / "model.onnx").unlink()  # the outbox staged its own link
         assert not logger.close(wait_s=2)
+        logger.outbox.keep_end("FINISHED", 1_700_000_000_000)  # what Run does when the end is not taken
         assert (tmp_path / "out" / UNSENT_FILE).is_file()
 
         assert sync.main([str(tmp_path / "out"), "--tracking-uri", away]) == 1  # still away: kept
@@ -33,12 +54,16 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
         server = MlflowServer(store, artifacts, port=port, log=log)
         try:
             assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
-            assert "sent 21 item(s)" in capsys.readouterr().out
+            assert "sent 23 item(s)" in capsys.readouterr().out
             assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
             assert "nothing to send (sent already)" in capsys.readouterr().out
             history = client_for(server.uri).get_metric_history(run_id, "train/loss")
             assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 21)]
-            assert client_for(server.uri).get_run(run_id).data.tags["after"] == "outage"
+            run = client_for(server.uri).get_run(run_id)
+            assert run.data.tags["after"] == "outage"
+            assert (run.info.status, run.info.end_time) == ("FINISHED", 1_700_000_000_000)
+            (model,) = client_for(server.uri).search_logged_models([run.info.experiment_id])
+            assert (model.name, model.source_run_id, str(model.status)) == ("model", run_id, "READY")
         finally:
             server.stop()
 

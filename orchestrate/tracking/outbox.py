@@ -66,6 +66,18 @@ class Model:
     register: Any = None  # orchestrate.tracking.models.Registration
 
 
+@dataclass(frozen=True)
+class RunEnd:
+    """The run's end as the run reached it (FINISHED, FAILED, KILLED), which the server did not
+    take: `orchestrate sync` ends the run so once the rest is in."""
+
+    status: str
+    end_time: int  # ms since the epoch
+
+
+FINAL_MODEL = "model"  # the trained model's LoggedModel name; a checkpoint's is checkpoint-<step>
+
+
 def cause(error: BaseException) -> str:
     """The short reason inside a client error ("Connection refused"), not its whole chain."""
     text = str(error)
@@ -196,21 +208,28 @@ class Outbox:
             self.files.clear()
         self.thread.join(timeout=1.0)  # a request in flight may take its own timeout: not waited for
         logging.getLogger("urllib3.connectionpool").removeFilter(self.quiet)
-        models = [item for item in unsent if isinstance(item, Model)]
-        unsent = [item for item in unsent if not isinstance(item, Model)]
+        # The trained model is kept for `orchestrate sync` (a line and its staged file); a
+        # checkpoint's model is not (its checkpoint file is, and is the model at that step).
+        models = [item for item in unsent if isinstance(item, Model) and item.name != FINAL_MODEL]
+        unsent = [item for item in unsent if not (isinstance(item, Model) and item.name != FINAL_MODEL)]
         for model in models:
             release(model)
         if unsent:
             self._write(unsent)
         if unsent or self.spilled:
             log.warning(f"MLflow at {self.uri} did not take {len(unsent) + self.spilled} item(s) of run {self.run_id} "
-                        f"(metrics, tags, artifacts to upload): they are in {self.unsent_file}, one JSON object a line")
+                        f"(metrics, tags, artifacts to upload, the trained model): they are in {self.unsent_file}, "
+                        "one JSON object a line")
         if models:
             names = [m.name for m in models]
             named = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]}"
-            log.warning(f"MLflow at {self.uri} did not take {len(models)} LoggedModel(s) of run {self.run_id} "
-                        f"({named}); their files stay in the output folder (the checkpoints, model.onnx)")
+            log.warning(f"MLflow at {self.uri} did not take {len(models)} checkpoint LoggedModel(s) of run "
+                        f"{self.run_id} ({named}); their checkpoint files stay in the output folder")
         return not unsent and not self.spilled and not models
+
+    def keep_end(self, status: str, end_time: int) -> None:
+        """(After close.) The run's end, which the server did not take, for `orchestrate sync`."""
+        self._write([RunEnd(status, end_time)])
 
     def _run(self) -> None:
         while True:
@@ -301,7 +320,7 @@ class Outbox:
         self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.unsent_file, "a") as f:
             for item in items:
-                if isinstance(item, Model):
+                if isinstance(item, Model) and item.name != FINAL_MODEL:
                     release(item)
                     continue
                 f.write(json.dumps(to_row(self.run_id, item)) + "\n")
@@ -316,12 +335,24 @@ def to_row(run_id: str, item) -> dict:
                 "step": item.step}
     if isinstance(item, Artifact):
         return {"run_id": run_id, "artifact": item.path, "artifact_path": item.artifact_path}
+    if isinstance(item, RunEnd):
+        return {"run_id": run_id, "status": item.status, "end_time": item.end_time}
+    if isinstance(item, Model):  # its sample batch beside its staged file, as numpy writes it
+        import numpy as np
+
+        sample = Path(item.path).with_name("sample.npy")
+        np.save(sample, item.sample)
+        register = item.register
+        return {"run_id": run_id, "model": item.path, "sample": str(sample), "step": item.step, "name": item.name,
+                "evaluation": [[m.key, m.value, m.timestamp, m.step] for m in item.evaluation],
+                "eval_dataset": list(item.eval_dataset) if item.eval_dataset else None,
+                "register": [register.name, register.metric, register.minimize] if register else None}
     return {"run_id": run_id, "tag": item.key, "value": item.value}
 
 
 def read_unsent(path: Path) -> dict[str, list]:
-    """An unsent file's items (Metric, RunTag, Artifact), in the order written, by run id; a
-    ValueError naming the line that is not one of them."""
+    """An unsent file's items (Metric, RunTag, Artifact, Model, RunEnd), in the order written, by
+    run id; a ValueError naming the line that is not one of them."""
     from mlflow.entities import Metric, RunTag
 
     by_run: dict[str, list] = {}
@@ -334,12 +365,29 @@ def read_unsent(path: Path) -> dict[str, list]:
                 item = Metric(row["metric"], row["value"], row["timestamp"], row["step"])
             elif "tag" in row:
                 item = RunTag(row["tag"], row["value"])
+            elif "status" in row:
+                item = RunEnd(row["status"], int(row["end_time"]))
+            elif "model" in row:
+                item = model_of(row)
             else:
                 item = Artifact(row["artifact"], row.get("artifact_path"))
             by_run.setdefault(row["run_id"], []).append(item)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OSError) as e:
             raise ValueError(f"{path}:{number}: not a line the outbox writes ({type(e).__name__}: {e})") from None
     return by_run
+
+
+def model_of(row: dict) -> Model:
+    """A Model from its line (to_row), its sample batch read back."""
+    import numpy as np
+    from mlflow.entities import Metric
+
+    from orchestrate.tracking.models import Registration
+
+    return Model(row["model"], np.load(row["sample"]), int(row["step"]), row["name"],
+                 tuple(Metric(*point) for point in row["evaluation"]),
+                 tuple(row["eval_dataset"]) if row["eval_dataset"] else None,
+                 Registration(*row["register"]) if row["register"] else None)
 
 
 def release(item) -> None:

@@ -16,6 +16,7 @@ left alone.
 
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,11 +176,14 @@ class Run(RunLogger):
                 errors.mark(failed, run=self.run_id)
                 raise failed
         finally:
+            ended = int(time.time() * 1000)
             try:
-                self.client.set_terminated(self.run_id, status)
+                self.client.set_terminated(self.run_id, status, ended)
             except Exception as e:  # noqa: BLE001 - the run's own outcome matters more than its status
+                self.outbox.keep_end(status, ended)
                 log.warning(f"MLflow at {self.outbox.uri} did not take the run's end ({status}: {cause(e)}): "
-                            f"run {self.run_id} stays RUNNING there")
+                            f"run {self.run_id} stays RUNNING there until `orchestrate sync "
+                            f"{self.outbox.unsent_file.parent}` ends it")
             finally:
                 set_env(self.env_before)
         return False
