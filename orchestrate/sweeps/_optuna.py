@@ -190,6 +190,16 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     pruner = pruner_settings(OmegaConf.to_container(conf["pruner"], resolve=True), config.trainer)
     study = optuna.create_study(storage=storage, study_name=name, sampler=instantiate(sampler_conf),
                                 pruner=instantiate(pruner), direction=direction, load_if_exists=True)
+    earlier = len(study.get_trials(deepcopy=False))
+    if earlier and sampler_conf.get("seed") is not None and not sampler_conf.get("search_space"):
+        # A study continued (the same sweep with a larger n_trials): a sampler seeded as before
+        # would draw its first proposals again, the earlier trials' own. Seeded by the seed and
+        # the trials so far, it draws anew, and the same command still draws the same trials.
+        # (The grid sampler takes only points no trial has taken, in its seeded order.)
+        import numpy as np
+
+        sampler_conf["seed"] = int(np.random.SeedSequence([sampler_conf["seed"], earlier]).generate_state(1)[0])
+        study.sampler = instantiate(sampler_conf)
     if study.direction.name.lower() != direction:
         raise ConfigError(f"hydra.sweeper.direction={direction}: study {name} in {redact_text(storage)} was "
                           f"created to {study.direction.name.lower()}; set hydra.sweeper.study_name to start another")
@@ -267,8 +277,10 @@ def sweep(sweeper, arguments: list[str]) -> None:
     outcomes: list[Outcome] = []
     failures: list[Outcome] = []
 
-    def start() -> None:
-        trial = study.ask(space.distributions)
+    def start() -> bool:
+        trial = ask_new(study, space)
+        if trial is None:
+            return False
         shown = [f"{k}={v}" for k, v in trial.params.items()]  # what tells this trial apart
         # The trial finds its study from the last two (orchestrate.sweeps.pruning.of_this_job):
         # Hydra keeps `hydra.*` overrides out of the job's task overrides, which name the trial.
@@ -283,6 +295,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
             run()
         else:  # a daemon: Ctrl-C ends the sweep without waiting for the launcher's call to return
             threading.Thread(target=run, name=f"trial-{trial.number}", daemon=True).start()
+        return True
 
     began = time.perf_counter()
     launched = 0
@@ -290,7 +303,9 @@ def sweep(sweeper, arguments: list[str]) -> None:
         while launched < to_run or running:
             while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
                    and not study._stop_flag):
-                start()
+                if not start():
+                    to_run = launched  # every proposal repeats a trial: the space is spent
+                    break
                 launched += 1
             if not running:
                 break
@@ -312,6 +327,31 @@ def sweep(sweeper, arguments: list[str]) -> None:
     write_results(config, study, storage, name)
     if len(failures) > allowed_failures:
         raise failures[0].error
+
+
+DUPLICATE_ASKS = 50  # proposals that repeat an earlier trial, asked again before the space counts as spent
+
+
+def ask_new(study, space: SearchSpace):
+    """The sampler's next trial whose parameters no finished trial (COMPLETE or PRUNED) had: one
+    that repeats them would only repeat its result (the sweep's resume would skip it as run). A
+    repeat is told FAIL with the `duplicate_of` note, so that it counts for nothing. None when
+    DUPLICATE_ASKS proposals in a row were repeats (a small discrete space, all of it tried)."""
+    from optuna.trial import TrialState
+
+    finished = {tuple(sorted(t.params.items())): t.number
+                for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
+    for _ in range(DUPLICATE_ASKS):
+        trial = study.ask(space.distributions)
+        earlier = finished.get(tuple(sorted(trial.params.items())))
+        if earlier is None:
+            return trial
+        log.info(f"\t#{trial.number} : would repeat trial {earlier} "
+                 f"({' '.join(f'{k}={v}' for k, v in trial.params.items())}): skipped, not counted")
+        trial.set_user_attr("duplicate_of", earlier)
+        study.tell(trial, state=TrialState.FAIL)
+    log.info(f"the last {DUPLICATE_ASKS} proposals all repeated finished trials: the search space looks spent")
+    return None
 
 
 def next_ended(ended: queue.Queue):
@@ -368,6 +408,9 @@ def write_results(config: DictConfig, study, storage: str, name: str) -> None:
 
     counts = {s.name: len(study.get_trials(deepcopy=False, states=(s,)))
               for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    repeats = sum("duplicate_of" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    counts["FAIL"] -= repeats
+    counts["REPEAT_SKIPPED"] = repeats  # proposals that repeated a finished trial (ask_new)
     results: dict[str, Any] = {"name": "optuna", "study_name": name, "storage": redact_text(storage),
                                "trials": counts}
     if counts["COMPLETE"]:

@@ -214,3 +214,39 @@ def test_ctrl_c_ends_the_sweep_with_its_summary_and_the_same_command_goes_on(tmp
     assert states.count("FAIL") == 2 and states.count("COMPLETE") == 3  # both interrupted trials ran again
     interrupted = {t.params["optimizer.lr"] for t in study_of(tmp_path).trials if t.state.name == "FAIL"}
     assert interrupted <= {t.params["optimizer.lr"] for t in study_of(tmp_path).trials if t.state.name == "COMPLETE"}
+
+
+def test_a_continued_study_draws_new_trials_and_never_counts_a_repeat(tmp_path) -> None:
+    """The same sweep with a larger n_trials continues its study: its seeded sampler must not
+    replay the first proposals (the earlier trials' own), and the same command draws the same new
+    ones. A proposal that repeats a finished trial is told FAIL (`duplicate_of`), not run."""
+    from optuna.trial import TrialState
+
+    from tests.conftest import multirun_config
+
+    def opened(seed: int = 0, params: dict | None = None):
+        config = multirun_config(["sweep=lr_optuna", "data=synthetic", "trainer=quick",
+                                  f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.sweeper.sampler.seed={seed}",
+                                  *([f"hydra.sweeper.study_name=s{seed}"] if params else [])])
+        conf = config.hydra.sweeper
+        space = _optuna.SearchSpace.parse(params or conf.params, [])
+        return _optuna.open_study(conf, config, space)[0], space
+
+    study, space = opened()
+    first = [study.ask(space.distributions) for _ in range(2)]
+    for trial in first:
+        study.tell(trial, 1.0)
+    # Continued twice from the same two trials (two runs of the same command): the same new draw,
+    # and not the first command's.
+    one, other = opened(), opened()
+    drawn = [study_.ask(space.distributions).params for study_, _ in (one, other)]
+    assert drawn[0] == drawn[1]
+    assert tuple(sorted(drawn[0].items())) not in {tuple(sorted(t.params.items())) for t in first}
+
+    # A discrete space with one point, taken: every proposal repeats it, none is counted or run.
+    tiny, tiny_space = opened(seed=1, params={"trainer.batch_size": "choice(32)"})
+    done = tiny.ask(tiny_space.distributions)
+    tiny.tell(done, 1.0)
+    assert _optuna.ask_new(tiny, tiny_space) is None
+    repeats = tiny.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    assert len(repeats) == _optuna.DUPLICATE_ASKS and all(t.user_attrs["duplicate_of"] == 0 for t in repeats)
