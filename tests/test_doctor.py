@@ -30,6 +30,21 @@ def run_doctor(*args: str, cwd: Path, env: dict | None = None, timeout: int = 60
     return done.returncode, done.stdout.splitlines(), time.monotonic() - began
 
 
+def check_name(line: str) -> str:
+    """What a check is, without what it found: `smoke run backend=torch`, else its first word
+    (`torch` of `OK    torch 2.6.0`, `tracking`, `ray:`)."""
+    text = line[6:]
+    return text.split(":")[0] if text.startswith("smoke run ") else text.split()[0]
+
+
+def readme_sample() -> list[str]:
+    """The lines of the README's sample `orchestrate doctor` output (the healthy machine's)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("On this project's machine (2 cores, no GPU):"):]
+    block = block[block.index("```text\n") + len("```text\n"):]
+    return block[:block.index("```")].strip().splitlines()
+
+
 def status(lines: list[str]) -> dict[str, str]:
     """Each check's line (without its status word) -> "OK" or "FAIL"."""
     return {line[6:]: line[:6].strip() for line in lines if line.startswith(("OK    ", "FAIL  "))}
@@ -78,6 +93,11 @@ def test_healthy_stack_passes_every_check_and_trains_every_backend(tmp_path):
         assert any(line.startswith(f"smoke run backend={backend}: 30 steps, train loss ") for line in checks), lines
     assert lines[-1] == f"{len(checks)} checks: all OK"
     assert not list(tmp_path.iterdir())  # the smoke runs wrote in their own temporary folder
+    # The README shows this output: the same checks in the same order, and the same count.
+    sample = readme_sample()
+    assert [check_name(line) for line in sample if line.startswith("OK    ")] == [check_name(line) for line in lines
+                                                                                if line.startswith("OK    ")]
+    assert sample[-1] == lines[-1]
 
 
 @pytest.mark.slow

@@ -417,3 +417,14 @@ def test_make_ui_serves_the_runs(installed_wheel, tmp_path):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
+
+
+def test_the_readme_s_timings_are_the_measured_ones():
+    """The README's "about N seconds" figures are those benchmarks/readme_timings.py measured and
+    wrote to docs/readme-timings.md (the script writes both: a figure moved in one moves in both)."""
+    spec = importlib.util.spec_from_file_location("readme_timings", ROOT / "benchmarks" / "readme_timings.py")
+    timings = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timings)
+    measured = timings.read_table((ROOT / "docs" / "readme-timings.md").read_text())
+    assert set(measured) == set(timings.COMMANDS)
+    assert timings.read_claims((ROOT / "README.md").read_text()) == measured
