@@ -356,7 +356,7 @@ def ran(warm_env, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess
         return dict(zip(chosen, pool.map(one, chosen)))
 
 
-CONCURRENT = 3
+CONCURRENT = 4
 
 
 @pytest.mark.slow

@@ -27,9 +27,9 @@ from tests.helpers import free_port
 STEPS = 10
 QUICK = ["data=synthetic", "trainer=quick", f"trainer.max_steps={STEPS}", "trainer.display_loss_steps=1",
          "model.hidden=[32]"]
-# A 6-trial sweep: 6 writers at once, and the runner (scripts/concurrency.py runs 16 against the
+# A 4-trial sweep: 4 writers at once, and the runner's (scripts/concurrency.py runs 16 against the
 # same server: docs/concurrency.md).
-LRS = [round(1e-3 * (i + 1), 4) for i in range(6)]
+LRS = [round(1e-3 * (i + 1), 4) for i in range(4)]
 LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
 
 
