@@ -183,12 +183,17 @@ def load():
     return sys.modules["onnxruntime"]
 
 
-@contextlib.contextmanager
-def off_console(log_level: str = "ERROR") -> Iterator[None]:
+def off_console(log_level: str = "ERROR"):
     """Meanwhile, what this thread logs below `log_level` (a LEVELS name) reaches the handlers
     that write files and not the console's (`console_handlers`); other threads' records are left
-    alone. The console handlers get their filters back on the way out."""
-    hide = _ThisThreadBelow(LEVELS[log_level])
+    alone."""
+    return console_filtered(_ThisThreadBelow(LEVELS[log_level]))
+
+
+@contextlib.contextmanager
+def console_filtered(hide: logging.Filter) -> Iterator[None]:
+    """Meanwhile the console's handlers (`console_handlers`) drop what `hide` refuses; the handlers
+    that write files keep it. Their filters are given back on the way out."""
     handlers = console_handlers()
     for handler in handlers:
         handler.addFilter(hide)

@@ -4,7 +4,6 @@ A bare `Figure` draws with the Agg renderer: no pyplot, no GUI backend chosen fo
 process, and matplotlib is imported only when a chart is drawn (not on a command that is refused).
 """
 
-import contextlib
 import logging
 from pathlib import Path
 
@@ -17,24 +16,12 @@ class _LogFileOnly(logging.Filter):
         return record.levelno >= logging.WARNING or record.name.split(".")[0] != "matplotlib"
 
 
-@contextlib.contextmanager
-def _notices_to_log_file():
-    from orchestrate.ort import console_handlers
-
-    handlers, hide = console_handlers(), _LogFileOnly()
-    for handler in handlers:
-        handler.addFilter(hide)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(hide)
-
-
 def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
     """`curves`: label -> metric name -> [(step, value)]. Train loss solid, eval loss dashed,
     one colour per label, so several runs overlay on one chart."""
-    with _notices_to_log_file():
+    from orchestrate.ort import console_filtered
+
+    with console_filtered(_LogFileOnly()):
         return _draw(curves, path, title)
 
 
