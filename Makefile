@@ -13,7 +13,7 @@ $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "onnxruntime-training 1.19.2 needs Python 3.11; set PYTHON=..."'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -c $(ROOT)constraints.txt -e '$(ROOT)[test]'
+	$(BIN)/pip install -q -c $(ROOT)constraints.txt -e '$(ROOT)[test]'
 	touch $@
 
 # ORTModule's C++ extensions, compiled once against the installed torch (about 3 minutes on 2 cores).
