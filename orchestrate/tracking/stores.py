@@ -49,7 +49,8 @@ def deleted_experiment(uri: str, name: str) -> str | None:
         return None
     from mlflow.tracking import MlflowClient
 
-    found = MlflowClient(tracking_uri=uri).get_experiment_by_name(name)
+    # Absolute: MLflow keeps one store per URI string for the process (another folder's mlflow.db).
+    found = MlflowClient(tracking_uri=absolute_uri(uri)).get_experiment_by_name(name)
     if found is None or found.lifecycle_stage != "deleted":
         return None
     return (f"tracking.experiment={name}: the experiment (id {found.experiment_id}) is deleted in "
