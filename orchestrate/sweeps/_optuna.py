@@ -254,11 +254,15 @@ def sweep(sweeper, arguments: list[str]) -> None:
     conf, config = sweeper.conf, sweeper.config
     space = SearchSpace.parse(conf.get("params"), arguments)
     study, storage, name = open_study(conf, config, space)
-    # An earlier attempt that was killed left its running trials RUNNING: failed, and run again.
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
-        if trial.state == TrialState.RUNNING:
-            study.tell(trial.number, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, skip_if_exists=True)
+    # An earlier attempt that was killed left its running trials RUNNING: failed, and run again
+    # (enqueued once: Optuna's own skip_if_exists would find the failed trial itself and skip it).
+    waiting = [t.system_attrs.get("fixed_params", t.params)
+               for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(trial.number, state=TrialState.FAIL)
+        if trial.params not in waiting:
+            study.enqueue_trial(trial.params)
+            waiting.append(trial.params)
     counted = (TrialState.COMPLETE, TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=counted))
     to_run = max(0, int(conf["n_trials"]) - done)
