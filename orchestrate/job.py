@@ -70,10 +70,9 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             out = model(sample)
     except Exception as e:  # whatever the model's own code raises, the run would stop on it
-        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise schema.ConfigError(
             f"model ({target}) cannot run on data's sample batch of shape {list(sample.shape)} "
-            f"({str(sample.dtype).removeprefix('torch.')}): {reason}; {size_hint(cfg)}") from None
+            f"({str(sample.dtype).removeprefix('torch.')}): {first_line(e)}; {size_hint(cfg)}") from None
     finally:
         model.train(was_training)
     if not isinstance(out, torch.Tensor):
@@ -100,15 +99,23 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
     # would otherwise fail the first step, after the MLflow run opened; one that only warns
     # broadcasts the two shapes against each other and trains on the wrong pairs.
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("error")
-            losses.get(data.loss).torch(out, targets)
+        score(losses.get(data.loss), out, targets)
     except Exception as e:  # whatever torch raises, the first step would raise too
-        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise schema.ConfigError(
             f"data.loss={data.loss} cannot score model ({target})'s output of shape {list(out.shape)} against data's "
-            f"targets of shape {list(targets.shape)} ({str(targets.dtype).removeprefix('torch.')}): {reason}; allowed: "
+            f"targets of shape {list(targets.shape)} ({str(targets.dtype).removeprefix('torch.')}): {first_line(e)}; allowed: "
             f"{', '.join(fitting_losses(out, targets)) or 'a loss that takes these shapes'}") from None
+
+
+def score(loss: losses.Loss, out: torch.Tensor, targets: torch.Tensor) -> None:
+    """The loss as the loops compute it, a warning raised as an error."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.torch(out, targets)
+
+
+def first_line(error: BaseException) -> str:
+    return next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def fitting_losses(out: torch.Tensor, targets: torch.Tensor) -> list[str]:
@@ -116,9 +123,7 @@ def fitting_losses(out: torch.Tensor, targets: torch.Tensor) -> list[str]:
     fitting = []
     for name, loss in losses.LOSSES.items():
         try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("error")
-                loss.torch(out, targets)
+            score(loss, out, targets)
             fitting.append(f"data.loss={name}")
         except Exception:  # noqa: BLE001 - any refusal means it does not fit
             pass
