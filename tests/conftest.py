@@ -2,11 +2,14 @@
 started once per session (Ray's `ray_start_regular_shared` is the model), and configs composed from
 conf/ pointed at a test's temporary folder (the lightning-hydra-template way).
 
-Two tiers (pytest's `--runslow` recipe): `pytest` (`make test`) runs the default tier, everything
+Three tiers (pytest's `--runslow` recipe): `pytest` (`make test`) runs the default tier, everything
 shown in this process or on the session's Ray and MLflow server; `pytest --runslow`
 (`make test-all`, CI) adds the tests marked `slow`: those whose proof is a process boundary
 (signals, kills, a command as a user types it, the README), a cluster, or minutes of training.
-An explicit `-m` expression chooses for itself."""
+`pytest --runslow --runlong` (`make test-long`) adds the tests marked `long`: the other cases of
+a family CI runs a representative of (another backend, signal or launcher through the same code,
+a README command whose feature a test of its own shows), each naming the test that stands for
+it in CI. An explicit `-m` expression chooses for itself."""
 
 import os
 import shutil
@@ -30,15 +33,27 @@ BACKENDS = sorted(p.stem for p in (ROOT / "conf" / "backend").glob("*.yaml"))
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run the tests marked slow: the full suite (make test-all; CI runs it)")
+    parser.addoption("--runlong", action="store_true", default=False,
+                     help="also run the tests marked slow and long: every case (make test-long)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow") or config.getoption("-m"):
+    if config.getoption("-m"):
         return
-    slow = [item for item in items if "slow" in item.keywords]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if "slow" not in item.keywords]
+    runlong = config.getoption("--runlong")
+    left_out = [name for name, run in (("slow", runlong or config.getoption("--runslow")), ("long", runlong)) if not run]
+    dropped = [item for item in items if any(item.get_closest_marker(name) for name in left_out)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in gone]
+
+
+def long(stands_for: str):
+    """The mark of a case that runs only in `make test-long`: `stands_for` names the test (or
+    case) that shows the same code path in CI's tier."""
+    assert stands_for, "a long case names the test that stands for it in CI"
+    return pytest.mark.long(stands_for=stands_for)
 
 
 # MLflow's variables are the defaults of tracking.uri and tracking.experiment: each test starts

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, sweep_runs
+from tests.conftest import ROOT, long, sweep_runs
 
 README = (ROOT / "README.md").read_text()
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -99,6 +99,8 @@ class Expect:
     check: Callable[[Path, str], None] | None = None  # more of what the text says: check(folder, printed)
     separate: str = ""  # the test of its own that runs it (it needs a server or a cluster beside it): its
     # name in this module, or path::name in another (one that shares its cluster with other tests)
+    long: str = ""  # runs in `make test-long` only: what shows its feature in CI's tier (a test, by
+    # path::name, or another README command that takes the same path)
 
 
 # ---- what the README's sweep section says of its commands, beyond runs and tags -------------------
@@ -168,6 +170,7 @@ def nothing_ran(folder: Path, printed: str) -> None:
 
 
 PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data": "models.Wine"})
+PROJECT_TORCH = "python -m orchestrate --config-dir conf model=my_net data=my_data backend=torch"
 EXPECTED: dict[str, Expect] = {
     # ---- the two commands, and the package used directly
     "make run": Expect(says=("eval accuracy", "MLflow run"), runs=1, tags={"backend": "ortmodule"}),
@@ -184,11 +187,15 @@ EXPECTED: dict[str, Expect] = {
         tags={"backend": "ondevice", "model": "orchestrate.tasks.hf.CausalLM"}),
     "python -m orchestrate model=hf_classifier data=python_files backend=ortmodule": Expect(
         extra=("trainer.max_steps=5", "trainer.display_loss_steps=5", "trainer.progress=false"), runs=1,
-        tags={"backend": "ortmodule", "model": "orchestrate.tasks.hf.Classifier"}),
-    "python -m orchestrate backend=auto": Expect(runs=1, tags={"auto": "true"}, check=auto_kept_its_probe_table,
-                                                  says=("backend=auto: 5 warm-up + 30 timed steps per candidate",)),
+        tags={"backend": "ortmodule", "model": "orchestrate.tasks.hf.Classifier"},
+        long="tests/tasks/test_hf.py::test_torch_ortmodule_and_ondevice_agree_on_the_first_steps"),
+    "python -m orchestrate backend=auto": Expect(
+        runs=1, tags={"auto": "true"}, check=auto_kept_its_probe_table,
+        says=("backend=auto: 5 warm-up + 30 timed steps per candidate",),
+        long="tests/backends/test_auto.py::test_auto_chooses_neither_the_slow_nor_the_disagreeing_backend_of_a_users_config_dir"),
     "python -m orchestrate backend=runner backend.engine=auto trainer.num_workers=2": Expect(
-        runs=1, tags={"backend": "runner", "auto": "true"}, metrics={"world_size": 2}, says=("backend.engine=auto: ",)),
+        runs=1, tags={"backend": "runner", "auto": "true"}, metrics={"world_size": 2}, says=("backend.engine=auto: ",),
+        long="tests/backends/test_auto.py::test_the_runner_chooses_its_engine_the_same_way"),
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
     # ---- the warm stack: `ran` below runs every command warm, on one `orchestrate up` of its own
@@ -204,8 +211,10 @@ EXPECTED: dict[str, Expect] = {
         skip="make setup built them; building again takes minutes"),
     # ---- your own project
     "python -m orchestrate --config-dir conf model=my_net data=my_data backend=torch": Expect(**PROJECT_RUN),
-    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ortmodule": Expect(**PROJECT_RUN),
-    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ondevice": Expect(**PROJECT_RUN),
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ortmodule": Expect(
+        **PROJECT_RUN, long=PROJECT_TORCH),
+    "python -m orchestrate --config-dir conf model=my_net data=my_data backend=ondevice": Expect(
+        **PROJECT_RUN, long="python -m orchestrate --config-path conf --config-name train backend=ondevice"),
     "python -m orchestrate --config-dir conf model=my_net data=my_data backend=runner trainer.num_workers=2": Expect(
         **{**PROJECT_RUN, "metrics": {"world_size": 2}}),
     "python -m orchestrate --config-dir conf +experiment=wine +sweep=backends": Expect(
@@ -229,11 +238,14 @@ EXPECTED: dict[str, Expect] = {
         runs=4, experiment="backend_shootout", says=("sweep summary",), check=shootout_is_a_tie_told_apart_by_speed),
     "python -m orchestrate +experiment=lr_search +sweep": Expect(
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
-        tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space),
+        tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space,
+        long="python -m orchestrate +experiment=lr_search +sweep hydra/sweeper/pruner=successive_halving"),
     "python -m orchestrate +experiment=lr_search +sweep hydra/sweeper/pruner=successive_halving": Expect(
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
         tags={"backend": "ondevice"}, check=pruned_sweep_keeps_its_study_beside_the_store),
-    "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ondevice": Expect(runs=5, says=("sweep summary",)),
+    "python -m orchestrate -m optimizer.lr=1e-3,1e-2 backend=torch,ondevice": Expect(
+        runs=5, says=("sweep summary",),
+        long="tests/sweeps/test_sweeps.py::test_the_same_sweep_leaves_the_same_runs_on_every_launcher"),
     "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
         says=("plan: 3 trial(s)", "backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0,
         check=nothing_ran),
@@ -246,11 +258,13 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate backend=runner trainer.num_workers=2": Expect(
         runs=1, tags={"backend": "runner"}, metrics={"world_size": 2}),
     "python -m orchestrate backend=runner backend.engine=torch trainer.gradient_accumulation_steps=4": Expect(
-        runs=1, metrics={"effective_batch_size": 256}),
+        runs=1, metrics={"effective_batch_size": 256},
+        long="tests/backends/test_runner.py::test_accumulating_k_micro_batches_equals_one_batch_k_times_larger"),
     "python -m orchestrate backend=runner backend.engine=ondevice trainer.num_workers=2": Expect(
-        runs=1, metrics={"world_size": 2}),
+        runs=1, metrics={"world_size": 2}, long="tests/backends/test_runner.py::test_ondevice_engine_all_reduces_gradients"),
     "python -m orchestrate backend=runner backend.engine=ondevice backend.average_every=10 optimizer=sgd "
-    "trainer.num_workers=2": Expect(runs=1, metrics={"world_size": 2}),
+    "trainer.num_workers=2": Expect(runs=1, metrics={"world_size": 2},
+                                    long="tests/backends/test_runner.py::test_ondevice_engine_federated_averaging"),
     "python -m orchestrate backend=runner trainer.checkpoint_period=50 trainer.resume=auto": Expect(
         runs=1, says=("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",)),
     "ray job submit --address http://HEAD:8265 --working-dir . -- python -m orchestrate backend=runner "
@@ -277,6 +291,9 @@ def test_every_readme_command_is_checked():
     commands = [c for c, _ in bash_commands()]
     assert sorted(set(commands)) == sorted(EXPECTED), "README.md and EXPECTED disagree"
     assert all(separate_test_exists(e.separate) for e in EXPECTED.values() if e.separate)
+    # A command left to `make test-long` names what shows its path in CI: a test, or a command that runs there.
+    assert all(separate_test_exists(e.long) if "::" in e.long else e.long in RUNNABLE and not EXPECTED[e.long].long
+               for e in EXPECTED.values() if e.long)
     assert set(project_files()) >= {"my_project/models.py", "my_project/conf/model/my_net.yaml",
                                     "my_project/conf/data/my_data.yaml"}
     assert len(bad_input_examples()) >= 3
@@ -315,6 +332,7 @@ def mlflow_runs(folder: Path, experiment: str) -> list:
 
 
 RUNNABLE = [c for c, e in EXPECTED.items() if not e.skip and not e.separate]
+CASES = [pytest.param(c, marks=[long(EXPECTED[c].long)] if EXPECTED[c].long else []) for c in RUNNABLE]
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +378,7 @@ CONCURRENT = 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", RUNNABLE)
+@pytest.mark.parametrize("command", CASES)
 def test_the_command_does_what_the_readme_says(command, ran):
     expect = EXPECTED[command]
     folder, done = ran[command]

@@ -1,6 +1,7 @@
 """`orchestrate up` / `orchestrate down` (orchestrate.stack): the session's warm stack (started
 once, as a user starts it, by tests/conftest.py's `warm_stack`), joined by a sweep typed as usual,
-a cold runner beside it, clusters refused up front, then stopped. A record whose stack is gone is
+clusters refused up front, then stopped (a cold runner beside it: tests/backends/test_runner.py's
+console test). A record whose stack is gone is
 ignored in well under a second, with one line."""
 
 import json
@@ -71,19 +72,6 @@ def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm):
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.md", "trials_loss_curves.png"}
     # The trials ran in the command's folder (their outputs are here), not where the head started.
     assert len(list((folder / "multirun").glob("*/*/[0-9]"))) == 3 and not (state / "multirun").exists()
-
-
-@pytest.mark.slow
-def test_a_cold_runner_beside_the_warm_head_is_not_misled_by_it(warm, tmp_path):
-    """Two Ray instances on one machine (this command's own and the warm head, as a user's own
-    `ray start` would be): Ray Train's cleaner must ask its own cluster about its run."""
-    _, state, _ = warm
-    ran = orchestrate("backend=runner", "backend.engine=torch", "trainer.num_workers=2", "trainer.max_steps=20",
-                      "trainer.progress=false", cwd=tmp_path, state=tmp_path / "no_stack")
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "start              cold: started a local Ray for this command" in ran.stdout
-    assert "Found multiple active Ray instances" not in ran.stdout + ran.stderr
-    assert record(state).ray_answers()  # the warm head was left alone
 
 
 def test_a_record_whose_stack_is_gone_is_ignored_with_one_line(tmp_path, monkeypatch, caplog):

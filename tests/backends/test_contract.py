@@ -13,7 +13,7 @@ import torch
 from orchestrate import app, schema
 from orchestrate.config import load_config
 from orchestrate.backends.torch import export_onnx
-from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
+from tests.conftest import BACKENDS, ROOT, client_for, long, metric_steps
 from tests.helpers import fit_untracked
 
 METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
@@ -167,11 +167,15 @@ def diverging(backend: str, tmp_path, request, *overrides: str, display: int = 1
     return cfg
 
 
-# Each backend, displayed every step and every 4 (the second case of the backends that run
-# another's loop, auto and the runner, in the full suite).
+# Each backend, displayed every step and every 4. The backends that run another's loop (auto and
+# the runner) have their second case in `make test-long`: the loop's own case stands for it.
 def displays(slow_if=lambda backend, display: False):
-    return [pytest.param(b, d, marks=[pytest.mark.slow] if slow_if(b, d) or (d > 1 and (
-        backend_target(b).distributed or backend_target(b).chooses)) else []) for b in BACKENDS for d in (1, 4)]
+    def marks(b: str, d: int) -> list:
+        if d > 1 and (backend_target(b).distributed or backend_target(b).chooses):
+            return [pytest.mark.slow, long(f"the loop's own case, [torch-{d}]")]
+        return [pytest.mark.slow] if slow_if(b, d) else []
+
+    return [pytest.param(b, d, marks=marks(b, d)) for b in BACKENDS for d in (1, 4)]
 
 
 DISPLAYS = displays()

@@ -6,6 +6,7 @@ the session's Ray); the other engines, accumulation, faults and the cluster are 
 Tolerances on the final weights: 1e-5 absolute for the plain PyTorch and the on-device engines
 (the sums are only reordered), 1e-4 for ORTModule (ORT's kernels sum differently)."""
 
+import json
 import os
 import re
 import subprocess
@@ -16,11 +17,11 @@ import pytest
 import ray
 import torch
 
-from orchestrate import app, checkpoints, ray_cluster, schema
+from orchestrate import app, checkpoints, ray_cluster, schema, stack
 from orchestrate.backends.runner import driver
 from orchestrate.config import load_config
 from orchestrate.__main__ import main
-from tests.conftest import ROOT, client_for, metric_steps
+from tests.conftest import ROOT, client_for, long, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, prints_no_cuda_notice, served_twice
 
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
@@ -95,6 +96,8 @@ def test_the_weights_moved(one_worker):
 
 
 @pytest.mark.slow
+@long("test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical (the torch engine's "
+      "loop, which ORTModule trains in)")
 def test_ortmodule_engine_two_workers_equal_one(tmp_path, one_worker):
     """DDP(ORTModule(model)): the same equivalence, within 1e-4."""
     two = train(tmp_path, "two", "backend.engine=ortmodule", "trainer.num_workers=2", "trainer.batch_size=32")
@@ -190,11 +193,14 @@ RAY_LINES = ("Token authentication", "Requesting resources", "Attempting to star
 
 
 @pytest.mark.slow
-def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest(tmp_path, tmp_path_factory):
+def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest(warm_stack, tmp_path,
+                                                                                   tmp_path_factory):
     """The README's runner command on the on-device engine, typed as a user types it (a local
     Ray of its own): the console has rank 0's lines and the summary, none of RAY_LINES and not
     torch's "No CUDA runtime is found"; the worker's log has Ray Train's checkpoint lines and the
-    notice (where this machine prints it)."""
+    notice (where this machine prints it). It runs cold beside the session's warm head (two Ray
+    instances on one machine, as a user's own `ray start` would make): Ray Train's cleaner asks its
+    own cluster about its run, and the warm head is left alone."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))}
     done = subprocess.run([sys.executable, "-m", "orchestrate", "backend=runner", "backend.engine=ondevice",
                            "trainer=quick", "data=synthetic", "trainer.num_workers=2"], cwd=tmp_path, env=env,
@@ -204,6 +210,10 @@ def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest
     assert [line for line in RAY_LINES if line in printed] == [], printed[-4000:]
     assert "No CUDA runtime" not in printed
     assert "[runner/ondevice] step 30: eval loss" in printed and "backend runner: 30 steps" in printed
+    assert "start              cold: started a local Ray for this command" in done.stdout
+    assert "Found multiple active Ray instances" not in printed
+    warm = stack.Stack(**json.loads((warm_stack.state / "stack.json").read_text()))
+    assert warm.ray_answers()  # the warm head was left alone
     logged = (Path(re.search(r"^  outputs +(\S+)$", done.stdout, re.MULTILINE).group(1)) / "worker_0.log").read_text()
     assert logged.count("Checkpoint successfully created") >= 2  # steps 15 and 30 (and the summary's report)
     if prints_no_cuda_notice():

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from orchestrate import slurm_ray
-from tests.conftest import ROOT, client_for, metric_steps
+from tests.conftest import ROOT, client_for, long, metric_steps
 from tests.test_readme import blocks
 
 SWEEP_TIMEOUT_S = 600
@@ -117,6 +117,8 @@ SLOW = ("backend=torch", "data._target_=tests.helpers.SlowData", "+data.delay_ms
 
 @pytest.mark.slow
 @pytest.mark.slurm
+@long("test_scancel_of_the_runner_job_kills_its_run_and_stops_ray (scancel's signal, handled the same); "
+      "tests/sweeps/test_sweeps.py::test_a_failing_trial_does_not_stop_the_others")
 def test_scancel_of_a_running_trial_kills_its_run_and_the_sweep_goes_on(slurm_cluster, mlflow_server, tmp_path):
     folder = user_folder(tmp_path)
     command = [*readme_sweep(slurm_cluster.partition, mlflow_server), *SLOW, "tracking.experiment=slurm_scancel"]

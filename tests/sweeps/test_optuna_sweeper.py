@@ -19,7 +19,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper import OrchestrateOptunaSweeper
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import _optuna
-from tests.conftest import sweep_runs
+from tests.conftest import long, sweep_runs
 from tests.sweeps.test_sweeps import QUICK, sweep
 
 # Three learning rates as a grid (a seeded order), the worst last: the median pruner (after one
@@ -156,6 +156,9 @@ def test_a_pruned_sweep_on_ray_keeps_both_slots_busy(tmp_path):
 
 
 @pytest.mark.slow
+@long("test_a_losing_trial_stops_at_an_evaluation_finished_and_tagged (the pruner's decision); "
+      "tests/backends/test_contract.py::test_a_diverging_run_stops_at_that_step_failed_with_the_checkpoint_before_it"
+      "[runner-1] (both ranks stop at rank 0's step)")
 def test_the_runners_workers_stop_together_where_the_pruner_says(tmp_path):
     """Two ranks on Ray Train: rank 0 evaluates and asks the study, both stop at its step."""
     # Two trials: the first sets the rung, the second (worse) stops at it on both ranks.

@@ -12,7 +12,7 @@ import torch
 
 from orchestrate import app
 from orchestrate.config import load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, long
 
 TASKS = {"hf_causal_lm": "python_source", "hf_classifier": "python_files"}  # model -> the data it goes with
 
@@ -84,6 +84,8 @@ def test_torch_ortmodule_and_ondevice_agree_on_the_first_steps(model, tmp_path):
 
 
 @pytest.mark.slow  # about a minute: Ray starts two workers
+@long("test_torch_ortmodule_and_ondevice_agree_on_the_first_steps; "
+      "tests/backends/test_runner.py::test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical")
 def test_runner_workers_train_the_classifier_well_above_chance(tmp_path):
     cfg = load_config(["backend=runner", "backend.engine=ortmodule", "trainer.num_workers=2", "model=hf_classifier",
                            "data=python_files", "trainer=quick", "trainer.max_steps=100", "trainer.batch_size=16",
