@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test test-all coverage bench ui server screenshots clean
+.PHONY: setup run test test-all test-long coverage bench ui server screenshots clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
 $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
@@ -33,6 +33,12 @@ test: setup
 # The full suite: the default tier and the tests marked slow (process boundaries, clusters, the README).
 test-all: setup
 	$(BIN)/python -m pytest --runslow $(ARGS)
+
+# Every case: the full suite and the tests marked long (the other cases of families CI runs a
+# representative of; each names the test that stands for it). Before a release, or after changing
+# what such a case goes through.
+test-long: setup
+	$(BIN)/python -m pytest --runslow --runlong $(ARGS)
 
 # Line coverage of orchestrate/ over the full suite, subprocesses and Ray workers included (every
 # process writes its data beside the checkout's .coverage, whatever folder it runs in).
