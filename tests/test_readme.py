@@ -176,6 +176,7 @@ EXPECTED: dict[str, Expect] = {
     "make run": Expect(says=("eval accuracy", "MLflow run"), runs=1, tags={"backend": "ortmodule"}),
     "make test": Expect(skip="the command that runs the default tier"),
     "make test-all": Expect(skip="the command that runs this test (CI runs it)"),
+    "make test-long": Expect(skip="the full suite again, with the long tier"),
     "make coverage": Expect(skip="the full suite again, with coverage"),
     "python -m orchestrate backend=ondevice optimizer.lr=3e-3": Expect(runs=1, tags={"backend": "ondevice"}),
     "python -m orchestrate backend=torch model=char_transformer data=python_source trainer.batch_size=16": Expect(
