@@ -11,8 +11,10 @@ model is wrapped and which optimizer steps it.
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -85,33 +87,77 @@ def check_options(options: dict) -> None:
                 raise ConfigError(f"{key}={text}: allowed: {', '.join(kind)}")
 
 
-def extensions_built() -> bool:
-    """The check ORTModule makes when it is imported, made without importing it (importing
-    `onnxruntime` alone already imports ORTModule, which then decides the extensions are missing)."""
+def extensions_folder() -> Path:
+    """onnxruntime/training/ortmodule/torch_cpp_extensions, found without importing onnxruntime
+    (importing it alone already imports ORTModule, which then decides the extensions are missing)."""
     spec = importlib.util.find_spec("onnxruntime")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("onnxruntime is not installed: pip install onnxruntime-training-cpu==1.19.2")
-    folder = Path(spec.submodule_search_locations[0]) / "training" / "ortmodule" / "torch_cpp_extensions"
+    return Path(spec.submodule_search_locations[0]) / "training" / "ortmodule" / "torch_cpp_extensions"
+
+
+def extensions_built(folder: Path | None = None) -> bool:
+    """The check ORTModule makes when it is imported: a compiled extension in its folder."""
+    folder = folder or extensions_folder()
     return any(folder.glob("*.so")) or any(folder.glob("*.dll")) or any(folder.glob("*.dylib"))
+
+
+def build_cpu_extensions(folder: Path) -> str:
+    """What `python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install` does for a
+    CPU build, with the extensions compiled side by side instead of one after the other (each in
+    a build folder of its own): `setup.py build` of each cpu/*/setup.py in `folder`, then the
+    libraries copied next to them. Returns what the builds printed; raises RuntimeError if one fails."""
+    env = {**os.environ, "ONNXRUNTIME_CUDA_VERSION": "", "ONNXRUNTIME_ROCM_VERSION": ""}  # as the installer sets them
+    builds = []
+    for setup in sorted((folder / "cpu").glob("*/setup.py")):
+        log = tempfile.TemporaryFile("w+")  # a pipe left unread would stall the build that fills it
+        builds.append((subprocess.Popen([sys.executable, str(setup), "build", f"--build-temp=build/temp-{setup.parent.name}"],
+                                        cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    printed = ""
+    for proc, log in builds:
+        proc.wait()
+        log.seek(0)
+        printed += log.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(proc.args[1:3])}` failed:\n{printed[-3000:]}")
+    for library in folder.glob("build/lib.*/*.so"):
+        shutil.copyfile(library, folder / library.name)
+    return printed
+
+
+def installed_build_has_cuda() -> bool:
+    """The installer's own test for the CUDA extensions: a torch and an onnxruntime built for a GPU."""
+    info = extensions_folder().parents[2] / "capi" / "build_and_package_info.py"
+    gpu_ort = "cuda_version" in info.read_text() or "rocm_version" in info.read_text()
+    return bool(os.environ.get("ONNXRUNTIME_FORCE_CUDA")) or (
+        gpu_ort and (torch.version.cuda is not None or torch.version.hip is not None))
 
 
 def ensure_extensions() -> None:
     """ORTModule refuses to start without its C++ extensions, which are compiled against the
-    installed torch. Build them once, the first time they are needed (about 2 minutes on 2 cores)."""
+    installed torch. Build them once, the first time they are needed (about 2 minutes on 2 cores;
+    a CPU build's two side by side)."""
     if extensions_built():
         return
     print("ORTModule's C++ extensions are not built yet: building them once now with "
           "`python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install` (about 2 minutes on 2 cores)...",
           file=sys.stderr, flush=True)
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "onnxruntime.training.ortmodule.torch_cpp_extensions.install"],
-                          capture_output=True, text=True)
-    if done.returncode != 0 or not extensions_built():
+    if installed_build_has_cuda():  # the installer's own way: the CUDA extensions too, one after another
+        done = subprocess.run([sys.executable, "-m", "onnxruntime.training.ortmodule.torch_cpp_extensions.install"],
+                              capture_output=True, text=True)
+        printed, failed = done.stdout + done.stderr, done.returncode != 0
+    else:
+        try:
+            printed, failed = build_cpu_extensions(extensions_folder()), False
+        except RuntimeError as e:
+            printed, failed = str(e), True
+    if failed or not extensions_built():
         raise RuntimeError(
             "building ORTModule's C++ extensions failed. They need a C++ compiler (gcc, g++), ninja and "
             "the Python headers: on Debian/Ubuntu `apt-get install build-essential python3.11-dev` and "
             "`pip install ninja`, then run `python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install`."
-            f"\nLast lines of the build:\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+            f"\nLast lines of the build:\n{printed[-3000:]}")
     print(f"ORTModule's C++ extensions built in {time.perf_counter() - began:.0f} s.", file=sys.stderr, flush=True)
     if "onnxruntime.training.ortmodule" in sys.modules:
         # ORTModule decides at import time whether the extensions exist.

@@ -97,6 +97,7 @@ def pruned_on_basic(tmp_path_factory):
     return cwd, done, again
 
 
+@pytest.mark.slow  # commands as a user types them
 def test_a_losing_trial_stops_at_an_evaluation_finished_and_tagged(pruned_on_basic):
     """The grid's seeded order runs lr=0.03 first (to the end: the pruner's one startup trial);
     both later trials are behind it at their first evaluation and stop there."""
@@ -122,6 +123,7 @@ def test_a_losing_trial_stops_at_an_evaluation_finished_and_tagged(pruned_on_bas
            "(50% of the budget)" in again.stdout
 
 
+@pytest.mark.slow  # commands as a user types them
 def test_the_same_sweep_again_continues_its_study(pruned_on_basic):
     """The second command asked for 3 trials in all: only the third ran, under the same parent run."""
     cwd, done, again = pruned_on_basic
@@ -133,6 +135,7 @@ def test_the_same_sweep_again_continues_its_study(pruned_on_basic):
     assert again.stdout.count("| SKIPPED |") == 1 and again.stdout.count("| PRUNED at 10 (earlier attempt) |") == 1
 
 
+@pytest.mark.slow  # commands as a user types them
 def test_a_pruned_sweep_on_ray_keeps_both_slots_busy(tmp_path):
     """Two slots (2 CPUs), a grid of long and short trials in a seeded order: (lr 0.03, 1500 steps)
     and (0.03, 300) start together; when the short one ends, its slot takes (1e-05, 300) at once,

@@ -20,6 +20,9 @@ from tests.helpers import prints_no_cuda_notice
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
 SMALL = ["-m", "backend=torch", "optimizer.lr=0.001,0.01", *QUICK]
 LAUNCHERS = ["orchestrate_ray", "basic", "submitit_local"]
+# The default tier runs the sweep on Hydra's basic launcher (one command, its trials in its own
+# process); the launchers that start a process per trial, or Ray, are the full suite's.
+LAUNCHER_CASES = [pytest.param(name, marks=[] if name == "basic" else [pytest.mark.slow]) for name in LAUNCHERS]
 # Run as `python -c IN_PROCESS args...`: the sweep as `python -m orchestrate args...` runs it, then
 # the names of the environment variables it left changed, on stderr. With Hydra's basic launcher
 # every trial runs in this process. (Importing mlflow sets its telemetry session id: not a sweep's.)
@@ -70,7 +73,7 @@ def structure(cwd) -> dict:
     }
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHER_CASES)
 def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_sweep):
     cwd, done = small_sweep(launcher)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,7 +88,7 @@ def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_s
     assert got["final train loss"] == pytest.approx(reference["final train loss"], rel=1e-5)  # same seed
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHER_CASES)
 def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
     folder, done = small_sweep(launcher)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -106,7 +109,7 @@ def test_the_summary_is_the_last_thing_printed(launcher, small_sweep):
     assert out.count("open the UI with") == 1 and "View run" not in out
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHER_CASES)
 def test_what_a_trials_import_of_ort_prints_goes_to_its_log_not_the_console(launcher, small_sweep):
     """torch's "No CUDA runtime is found" (a CUDA toolkit and no GPU), printed while a trial's
     process imports ORT: not on the sweep's console, nor in what submitit keeps of a trial's
@@ -224,6 +227,7 @@ def test_concurrent_trials_lose_no_metric(tmp_path):
         assert [s for s, _ in metric_steps(client, child.info.run_id, "eval/loss")] == [10, 20, 30]
 
 
+@pytest.mark.slow
 def test_a_local_sweep_keeps_ray_on_loopback(small_sweep):
     _, done = small_sweep("orchestrate_ray")
     assert done.returncode == 0, done.stderr[-3000:]
