@@ -27,8 +27,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweeps import run_sweep  # benchmarks/sweeps.py: a sweep run as a user runs it
-
 ROOT = Path(__file__).resolve().parents[1]
 CURVES = ROOT / "docs" / "pruner-curves.json"
 EVERY = 25  # the curves' evaluation period: replays evaluate at any multiple of it
@@ -40,18 +38,20 @@ SLOTS = 2  # trials at once (the Ray launcher on 2 cores)
 # EVERY steps and prunes nothing.
 SHIPPED = {"lr_search": (["+experiment=lr_search", "+sweep"], ["optimizer.lr", "trainer.batch_size"])}
 
-# Candidates: hydra/sweeper/pruner=NAME with these settings (the group's defaults for the rest).
+# Candidates: hydra/sweeper/pruner=NAME with these settings (the group's defaults for the rest;
+# "Nx": N evaluation periods). The first rung of successive halving is `min_resource`.
 CANDIDATES = {
-    "successive_halving (rf 4, first rung 1 eval)": ("successive_halving", {}),
-    "successive_halving (rf 3)": ("successive_halving", {"reduction_factor": 3}),
-    "successive_halving (rf 2)": ("successive_halving", {"reduction_factor": 2}),
-    "successive_halving (rf 4, first rung 2 evals)": ("successive_halving", {"min_resource": "2x"}),
-    "successive_halving (rf 3, first rung 2 evals)": ("successive_halving", {"reduction_factor": 3, "min_resource": "2x"}),
-    "successive_halving (rf 2, first rung 2 evals)": ("successive_halving", {"reduction_factor": 2, "min_resource": "2x"}),
-    "successive_halving (rf 4, early stopping rate 1)": ("successive_halving", {"min_early_stopping_rate": 1}),
+    "successive_halving (rf 4, first rung 1 eval)": ("successive_halving", {"min_resource": "1x"}),
+    "successive_halving (rf 3, first rung 1 eval)": ("successive_halving", {"reduction_factor": 3, "min_resource": "1x"}),
+    "successive_halving (rf 2, first rung 1 eval)": ("successive_halving", {"reduction_factor": 2, "min_resource": "1x"}),
+    "successive_halving (rf 4, first rung 2 evals: the default)": ("successive_halving", {}),
+    "successive_halving (rf 3, first rung 2 evals)": ("successive_halving", {"reduction_factor": 3}),
+    "successive_halving (rf 2, first rung 2 evals)": ("successive_halving", {"reduction_factor": 2}),
+    "successive_halving (rf 4, first rung 1 eval, early stopping rate 1)": (
+        "successive_halving", {"min_resource": "1x", "min_early_stopping_rate": 1}),
     "median (4 startup trials)": ("median", {}),
     "median (4 startup, 2 evals warm-up)": ("median", {"n_warmup_steps": "2x"}),
-    "hyperband (rf 3)": ("hyperband", {}),
+    "hyperband (rf 3, smallest first rung 2 evals)": ("hyperband", {}),
 }
 
 
@@ -78,7 +78,7 @@ def pruner_config(name: str, settings: dict, period: int, steps: int) -> dict:
 
     cfg = load_config(["sweep=lr_optuna", f"hydra/sweeper/pruner={name}"], run_mode=RunMode.MULTIRUN, with_hydra=True)
     pruner = OmegaConf.to_container(cfg.hydra.sweeper.pruner, resolve=True)
-    pruner.update({k: 2 * period if v == "2x" else v for k, v in settings.items()})
+    pruner.update({k: int(v[:-1]) * period if str(v).endswith("x") else v for k, v in settings.items()})
     return pruner_settings(pruner, OmegaConf.create({"evaluation_period": period, "max_steps": steps}))
 
 
@@ -139,6 +139,7 @@ def part_curves() -> dict:
     """Each shipped sweep's trials run to the end with an evaluation every EVERY steps, and the
     benchmark's search from docs/pruning.json."""
     from mlflow.tracking import MlflowClient
+    from sweeps import run_sweep  # benchmarks/sweeps.py (beside this script): a sweep run as a user runs it
 
     from orchestrate.config import load_config
 
@@ -207,7 +208,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["curves", "replay"], choices=["curves", "replay"])
-    parser.add_argument("--periods", type=int, nargs="*", default=[50],
+    parser.add_argument("--periods", type=int, nargs="*", default=[25, 50],
                         help="replay: evaluation periods to try beside each sweep's own (multiples of 25)")
     args = parser.parse_args()
     kept = part_curves() if "curves" in args.parts else json.loads(CURVES.read_text())

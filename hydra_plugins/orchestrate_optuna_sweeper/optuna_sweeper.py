@@ -74,7 +74,7 @@ class SuccessiveHalvingPrunerConf:
     trials that reached that rung; no trial waits for another."""
 
     _target_: str = "optuna.pruners.SuccessiveHalvingPruner"
-    # Steps before the first rung; auto: one evaluation period of the app (trainer.evaluation_period,
+    # Steps before the first rung; auto: two evaluation periods of the app (trainer.evaluation_period,
     # orchestrate.sweeps.pruning.pruner_settings), not Optuna's estimate from the first finished trial.
     min_resource: Any = "auto"
     reduction_factor: int = 4  # keep the top 1/reduction_factor at each rung
@@ -88,7 +88,7 @@ class HyperbandPrunerConf:
     """Several successive-halving brackets with different first rungs, trials spread across them."""
 
     _target_: str = "optuna.pruners.HyperbandPruner"
-    min_resource: Any = "auto"  # steps before the first rung of the most aggressive bracket; auto: one evaluation period
+    min_resource: Any = "auto"  # steps before the first rung of the most aggressive bracket; auto: two evaluation periods
     max_resource: Any = "auto"  # a trial's full length; auto: trainer.max_steps
     reduction_factor: int = 3  # keep the top 1/reduction_factor at each rung; also sets the number of brackets
     # Optuna prunes a trial that is among the first bootstrap_count to reach a rung (0: none is).
