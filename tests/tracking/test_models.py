@@ -132,9 +132,12 @@ def test_registered_in_a_local_store_best_stays_with_the_better_model(make_cfg, 
         mlflow.set_tracking_uri(None)
     assert newest.metadata.run_id == worse.run_id
 
-
-
-def test_a_registration_the_registry_refuses_fails_the_run_with_its_model_logged(make_cfg, tmp_path, monkeypatch):
+# The runner: rank 0 logs the model in its worker (here the one worker, in the driver's process),
+# and the driver's run fails with what the registry said.
+@pytest.mark.parametrize("backend", [("backend=torch",), ("backend=runner", "trainer.num_workers=1")],
+                         ids=["torch", "runner"])
+def test_a_registration_the_registry_refuses_fails_the_run_with_its_model_logged(backend, make_cfg, tmp_path,
+                                                                                  monkeypatch):
     """A name that passes the up-front check can still be refused at the end (a registry that is
     read-only, or down): the command fails (the run FAILED, saying why) and the model is logged."""
     from mlflow.exceptions import MlflowException
@@ -145,7 +148,7 @@ def test_a_registration_the_registry_refuses_fails_the_run_with_its_model_logged
         raise MlflowException("the registry is read-only")
 
     monkeypatch.setattr(models, "add_version", refuse)
-    cfg = make_cfg("backend=torch", "data=synthetic", "model.hidden=[16]", "tracking.register_model=refused-mlp")
+    cfg = make_cfg(*backend, "data=synthetic", "model.hidden=[16]", "tracking.register_model=refused-mlp")
     with pytest.raises(models.NotRegistered, match=r"was logged, not registered as refused-mlp \(MlflowException: "
                                                     r"the registry is read-only\)"):
         app.train(cfg, tmp_path / "out")
@@ -154,6 +157,7 @@ def test_a_registration_the_registry_refuses_fails_the_run_with_its_model_logged
     assert run.info.status == "FAILED" and "not registered as refused-mlp" in run.data.tags["error"]
     (model,) = [m for m in client.search_logged_models([run.info.experiment_id]) if m.name == "model"]
     assert (model.source_run_id, str(model.status)) == (run.info.run_id, "READY")
+
 
 def test_the_data_is_on_the_run_and_its_digest_tells_data_sets_apart(registered):
     client, first, second, other = registered

@@ -316,6 +316,8 @@ class RunnerBackend(Backend):
                 summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
         job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
         job.meter.final.update(summary["final"])
+        if summary.get("not_registered") and job.meter.tracker is not None:  # the run ends FAILED, exit 1
+            job.meter.tracker.outbox.not_registered.extend(summary["not_registered"])
         if summary.get("diverged"):  # the workers stopped together, without a failure for Ray to retry
             raise Diverged(*summary["diverged"])
 

@@ -106,13 +106,15 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         raise
 
     summary = job.meter.summary()
+    refused = []  # the registry's refusals of the model rank 0 logged: the driver's run fails with them
     if rank == 0 and job.meter.tracker:
         job.meter.close()
         # Everything sent (or, with the server away past a bounded wait, written to the run's
         # folder) before the driver marks the run FINISHED: the store refuses points after that.
         job.meter.tracker.close()
+        refused = job.meter.tracker.outbox.not_registered
     reporter.close()
-    result = {"history": job.meter.history, "final": summary, "diverged": diverged}
+    result = {"history": job.meter.history, "final": summary, "diverged": diverged, "not_registered": refused}
     if in_driver:
         return result  # the driver reads it from fit()'s result
     with tempfile.TemporaryDirectory() as folder:
