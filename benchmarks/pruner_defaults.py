@@ -58,7 +58,7 @@ CANDIDATES = {
 @dataclass
 class Sweep:
     """One search's trials run to the end: curve[i] maps step -> eval loss, seconds[i] is the time
-    one step of trial i took; `period` is the evaluation period its shipped config uses."""
+    one step of trial i took; `period` is the evaluation period the replay evaluates at."""
 
     name: str
     steps: int
@@ -90,7 +90,7 @@ def replay(sweep: Sweep, pruner: dict, order: list[int]) -> tuple[float, int, in
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="minimize", pruner=instantiate(pruner))
-    evaluations = [s for s in range(sweep.period, sweep.steps + 1, sweep.period)]
+    evaluations = list(range(sweep.period, sweep.steps + 1, sweep.period))
     if evaluations[-1] != sweep.steps:
         evaluations.append(sweep.steps)
     events, waiting, trials = [], list(order), {}  # events: (time, trial index, evaluation step)

@@ -102,57 +102,65 @@ def extensions_built(folder: Path | None = None) -> bool:
     return any(folder.glob("*.so")) or any(folder.glob("*.dll")) or any(folder.glob("*.dylib"))
 
 
-def build_cpu_extensions(folder: Path) -> str:
+def build_cpu_extensions(folder: Path) -> tuple[bool, str]:
     """What `python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install` does for a
     CPU build, with the extensions compiled side by side instead of one after the other (each in
     a build folder of its own): `setup.py build` of each cpu/*/setup.py in `folder`, then the
-    libraries copied next to them. Returns what the builds printed; raises RuntimeError if one fails."""
+    libraries copied next to them. (whether every build succeeded, what the builds printed); the
+    first that fails stops the others."""
     env = {**os.environ, "ONNXRUNTIME_CUDA_VERSION": "", "ONNXRUNTIME_ROCM_VERSION": ""}  # as the installer sets them
     builds = []
     for setup in sorted((folder / "cpu").glob("*/setup.py")):
         log = tempfile.TemporaryFile("w+")  # a pipe left unread would stall the build that fills it
         builds.append((subprocess.Popen([sys.executable, str(setup), "build", f"--build-temp=build/temp-{setup.parent.name}"],
                                         cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    built = True
+    try:
+        for proc, _ in builds:
+            if proc.wait() != 0:
+                built = False
+                break
+    finally:  # a failed build, or an interrupted wait: no compiler is left running
+        for proc, _ in builds:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     printed = ""
-    for proc, log in builds:
-        proc.wait()
-        log.seek(0)
-        printed += log.read()
-        if proc.returncode != 0:
-            raise RuntimeError(f"`{' '.join(proc.args[1:3])}` failed:\n{printed[-3000:]}")
-    for library in folder.glob("build/lib.*/*.so"):
-        shutil.copyfile(library, folder / library.name)
-    return printed
+    for _, log in builds:
+        with log:
+            log.seek(0)
+            printed += log.read()
+    if built:
+        for library in folder.glob("build/lib.*/*.so"):
+            shutil.copyfile(library, folder / library.name)
+    return built, printed
 
 
 def installed_build_has_cuda() -> bool:
     """The installer's own test for the CUDA extensions: a torch and an onnxruntime built for a GPU."""
-    info = extensions_folder().parents[2] / "capi" / "build_and_package_info.py"
-    gpu_ort = "cuda_version" in info.read_text() or "rocm_version" in info.read_text()
+    info = (extensions_folder().parents[2] / "capi" / "build_and_package_info.py").read_text()
+    gpu_ort = "cuda_version" in info or "rocm_version" in info
     return bool(os.environ.get("ONNXRUNTIME_FORCE_CUDA")) or (
         gpu_ort and (torch.version.cuda is not None or torch.version.hip is not None))
 
 
 def ensure_extensions() -> None:
     """ORTModule refuses to start without its C++ extensions, which are compiled against the
-    installed torch. Build them once, the first time they are needed (about 2 minutes on 2 cores;
+    installed torch. Build them once, the first time they are needed (a few minutes on 2 cores;
     a CPU build's two side by side)."""
     if extensions_built():
         return
-    print("ORTModule's C++ extensions are not built yet: building them once now with "
-          "`python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install` (about 2 minutes on 2 cores)...",
+    print("ORTModule's C++ extensions are not built yet: building them once now, as "
+          "`python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install` does (a few minutes on 2 cores)...",
           file=sys.stderr, flush=True)
     began = time.perf_counter()
     if installed_build_has_cuda():  # the installer's own way: the CUDA extensions too, one after another
         done = subprocess.run([sys.executable, "-m", "onnxruntime.training.ortmodule.torch_cpp_extensions.install"],
                               capture_output=True, text=True)
-        printed, failed = done.stdout + done.stderr, done.returncode != 0
+        built, printed = done.returncode == 0, done.stdout + done.stderr
     else:
-        try:
-            printed, failed = build_cpu_extensions(extensions_folder()), False
-        except RuntimeError as e:
-            printed, failed = str(e), True
-    if failed or not extensions_built():
+        built, printed = build_cpu_extensions(extensions_folder())
+    if not built or not extensions_built():
         raise RuntimeError(
             "building ORTModule's C++ extensions failed. They need a C++ compiler (gcc, g++), ninja and "
             "the Python headers: on Debian/Ubuntu `apt-get install build-essential python3.11-dev` and "
