@@ -386,7 +386,8 @@ def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, ti
         return
     # What the cluster has, read before the reservation below takes (and gives back) its share.
     total, free = ray.cluster_resources(), ray.available_resources()
-    if not can_grow() and not _could_ever_hold(wanted, ray.nodes()):
+    could_hold = _could_ever_hold(wanted, ray.nodes())
+    if not can_grow() and not could_hold:
         timeout_s = 0  # waiting cannot help: say so now
     # Reserving a placement group is how Ray answers "could this be scheduled now?" for any
     # cluster shape (several nodes, custom resources); it is freed at once for the real work.
@@ -405,9 +406,13 @@ def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, ti
     else:
         what = f"{wanted} ({strategy})"
     within = f"within {timeout_key}={timeout_s:g}" if timeout_s else "on this cluster, which cannot grow"
+    # A cluster that could hold the work but is busy with other work (another sweep on the warm
+    # head, another user's jobs) would take it once that work ends: say so, and how to queue.
+    busy = (f"; its nodes could hold it, and other work holds them now: {timeout_key}=<seconds> waits longer for "
+            f"that work to end" if timeout_s and could_hold else "")
     raise PlacementError(f"{asked} asks for {what} and could not be placed {within}; "
                          f"the Ray cluster has {({k: total.get(k, 0.0) for k in keys})} in all, "
-                         f"free now {({k: free.get(k, 0.0) for k in keys})}")
+                         f"free now {({k: free.get(k, 0.0) for k in keys})}{busy}")
 
 
 def _could_ever_hold(bundles: list[dict], nodes: list[dict]) -> bool:

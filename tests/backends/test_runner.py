@@ -165,7 +165,8 @@ def test_a_killed_worker_restarts_from_the_checkpoint_and_matches_an_uninterrupt
 
 
 def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_path, local_ray):
-    """A cluster whose CPUs are taken: after placement_timeout_s the run stops with a plain message."""
+    """A cluster whose CPUs are taken: after placement_timeout_s the run stops with a plain message
+    that says the cluster is busy and how to wait longer."""
 
     @ray.remote(num_cpus=1)
     class Busy:
@@ -176,7 +177,9 @@ def test_workers_that_cannot_be_placed_fail_with_what_was_asked_and_free(tmp_pat
     ray.get(busy.ping.remote())
     try:
         with pytest.raises(schema.ConfigError, match=r"could not be placed within backend.placement_timeout_s=2; "
-                                                     r"the Ray cluster has \{'CPU': 2\.0\} in all, free now \{'CPU': 1\.0\}"):
+                                                     r"the Ray cluster has \{'CPU': 2\.0\} in all, free now \{'CPU': 1\.0\}; "
+                                                     r"its nodes could hold it, and other work holds them now: "
+                                                     r"backend.placement_timeout_s=<seconds> waits longer"):
             train(tmp_path, "x", "trainer.num_workers=2", "backend.placement_timeout_s=2")
     finally:
         ray.kill(busy)

@@ -136,6 +136,8 @@ def test_the_same_sweep_again_continues_its_study(pruned_on_basic):
 
 
 @pytest.mark.slow  # commands as a user types them
+@long("test_a_losing_trial_stops_at_an_evaluation_finished_and_tagged (the pruner's decision); "
+      "test_ctrl_c_ends_the_sweep_with_its_summary_and_the_same_command_goes_on (two trials at once on Ray)")
 def test_a_pruned_sweep_on_ray_keeps_both_slots_busy(tmp_path):
     """Two slots (2 CPUs), a grid of long and short trials in a seeded order: (lr 0.03, 1500 steps)
     and (0.03, 300) start together; when the short one ends, its slot takes (1e-05, 300) at once,

@@ -14,15 +14,19 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, metric_steps, sweep_runs as runs_of
+from tests.conftest import ROOT, long, metric_steps, sweep_runs as runs_of
 from tests.helpers import prints_no_cuda_notice
 
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]
 SMALL = ["-m", "backend=torch", "optimizer.lr=0.001,0.01", *QUICK]
 LAUNCHERS = ["orchestrate_ray", "basic", "submitit_local"]
 # The default tier runs the sweep on Hydra's basic launcher (one command, its trials in its own
-# process); the launchers that start a process per trial, or Ray, are the full suite's.
-LAUNCHER_CASES = [pytest.param(name, marks=[] if name == "basic" else [pytest.mark.slow]) for name in LAUNCHERS]
+# process); the launchers that start a process per trial, or Ray, are the full suite's; submitit's
+# local launcher is the long tier's (CI runs submitit's Slurm launcher, a process per trial too).
+SUBMITIT_IN_CI = "tests/launch/test_slurm.py::test_the_readme_sweep_runs_every_trial_as_a_slurm_job"
+LAUNCHER_CASES = [pytest.param(name, marks={"basic": [], "orchestrate_ray": [pytest.mark.slow],
+                                            "submitit_local": [pytest.mark.slow, long(SUBMITIT_IN_CI)]}[name])
+                  for name in LAUNCHERS]
 # Run as `python -c IN_PROCESS args...`: the sweep as `python -m orchestrate args...` runs it, then
 # the names of the environment variables it left changed, on stderr. With Hydra's basic launcher
 # every trial runs in this process. (Importing mlflow sets its telemetry session id: not a sweep's.)
@@ -204,9 +208,10 @@ def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
     assert "RUNNING" not in {c.info.status for c in children}  # the sweep closed what it stopped
 
 
-# Trials at once, each in its own Ray worker process: more than the machine's cores, so that their
-# writes interleave. scripts/concurrency.py runs the same check with 16 (docs/concurrency.md).
-CONCURRENT = 6
+# Trials at once, each in its own Ray worker process: more than the machine's cores (CI has 2), so
+# that their writes interleave. scripts/concurrency.py runs the same check with 16
+# (docs/concurrency.md); tests/test_server.py writes from 8 at once into PostgreSQL.
+CONCURRENT = 4
 
 
 @pytest.mark.slow
