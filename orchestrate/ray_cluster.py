@@ -408,8 +408,9 @@ def wait_for_placement(bundles: Sequence[Mapping[str, float]], strategy: str, ti
     within = f"within {timeout_key}={timeout_s:g}" if timeout_s else "on this cluster, which cannot grow"
     # A cluster that could hold the work but is busy with other work (another sweep on the warm
     # head, another user's jobs) would take it once that work ends: say so, and how to queue.
+    short = any(free.get(k, 0.0) < sum(bundle.get(k, 0.0) for bundle in wanted) for k in keys)
     busy = (f"; its nodes could hold it, and other work holds them now: {timeout_key}=<seconds> waits longer for "
-            f"that work to end" if timeout_s and could_hold else "")
+            f"that work to end" if timeout_s and could_hold and short else "")
     raise PlacementError(f"{asked} asks for {what} and could not be placed {within}; "
                          f"the Ray cluster has {({k: total.get(k, 0.0) for k in keys})} in all, "
                          f"free now {({k: free.get(k, 0.0) for k in keys})}{busy}")

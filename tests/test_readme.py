@@ -386,10 +386,13 @@ ON_RAY = 2
 
 
 def places_work_on_ray(command: str) -> bool:
+    """A sweep (read as the command line's own `rewrite_sweep_words` reads it) that runs, or a runner."""
+    from orchestrate.cli import MULTIRUN_FLAGS, rewrite_sweep_words
+
     words = shlex.split(command)
     args = words[words.index("orchestrate") + 1:] if "orchestrate" in words else []  # after `python -m orchestrate`
-    return "+dry_run" not in args and ("-m" in args or any(w.startswith("+sweep") for w in args)
-                                       or "backend=runner" in args)
+    sweep = any(word in MULTIRUN_FLAGS for word in rewrite_sweep_words(args))
+    return (sweep and "+dry_run" not in args) or "backend=runner" in args
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,18 +113,19 @@ def build_cpu_extensions(folder: Path) -> tuple[bool, str]:
     builds = []
     for setup in sorted((folder / "cpu").glob("*/setup.py")):
         log = tempfile.TemporaryFile("w+")  # a pipe left unread would stall the build that fills it
+        # A process group of its own: stopping the build stops the compilers it started too.
         builds.append((subprocess.Popen([sys.executable, str(setup), "build", f"--build-temp=build/temp-{setup.parent.name}"],
-                                        cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    built = True
+                                        cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True), log))
     try:
-        for proc, _ in builds:
-            if proc.wait() != 0:
-                built = False
-                break
+        # Whichever build ends first is seen first: one that fails stops those still compiling.
+        while (codes := [proc.poll() for proc, _ in builds]) and None in codes and not any(codes):
+            time.sleep(0.2)
+        built = not any(codes)
     finally:  # a failed build, or an interrupted wait: no compiler is left running
         for proc, _ in builds:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     printed = ""
     for _, log in builds:
