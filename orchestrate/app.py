@@ -171,6 +171,8 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
                        ("step_time_ms", "step time (ms)")]:
         if key in m:
             lines.append(f"  {label:<18} {m[key]:,.4f}" if m[key] < 100 else f"  {label:<18} {m[key]:,.0f}")
+    if "compile_s" in m:  # backend=compile: its first step compiled, and the step time leaves that window out
+        lines.append(f"  {'compile (s)':<18} {m['compile_s']:.1f} (the first step; not in the step time above)")
     lines += [f"  MLflow run         {result.run_id} (experiment '{cfg.tracking.experiment}' in "
               f"{redact_text(cfg.tracking.uri)})",
               f"  outputs            {result.out_dir}"]

@@ -360,6 +360,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest  # the rest: Hydra overrides of the config checked and the smoke runs' configs
 
 
+# Where ORT training stands upstream, said once beside the ORT checks (README, "Backend notes").
+UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-09) is its last release, for Python "
+            "up to 3.11; ORTModule is deprecated there (microsoft/onnxruntime #24905), the on-device training API and "
+            "onnxblock remain; backend=compile (torch.compile) is PyTorch's own alternative, measured beside them")
+
+
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
     from orchestrate.cli import COMPOSITION_ERRORS, explain
@@ -379,6 +385,7 @@ def main(argv: list[str]) -> int:
         for req in requirements:
             report(*check_requirement(req))
         report(*check_ort_build(scratch))
+        print(f"note  {UPSTREAM}", flush=True)
         extensions_ok = report(*check_extensions(scratch))
         uri, source = (args.tracking_uri, "--tracking-uri") if args.tracking_uri else (cfg.tracking.uri, "tracking.uri")
         report(*check_tracking(uri, source, args.timeout))

@@ -93,7 +93,8 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
     assert ("eval/accuracy" in result.history) == (loss == "bce_with_logits")
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("ortmodule", marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend", ["torch", pytest.param("compile", marks=pytest.mark.slow),
+                                     pytest.param("ortmodule", marks=pytest.mark.slow),
                                      pytest.param("ondevice", marks=pytest.mark.slow), pytest.param(
     "runner", marks=long("tests/test_signals.py::test_a_signal_kills_the_run_and_resume_finishes_it[runner-SIGTERM]"))])
 def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd, request):

@@ -23,7 +23,7 @@ def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
 BAD_INPUT = [
     (["trainer.stepz=5"], "trainer.stepz: unknown key; allowed keys in trainer: max_steps, batch_size"),
     (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
-    (["backend=tensorflow"], "backend=tensorflow: no such choice; allowed: auto, ondevice, ortmodule, runner, torch"),
+    (["backend=tensorflow"], "backend=tensorflow: no such choice; allowed: auto, compile, ondevice, ortmodule, runner, torch"),
     (["backend.bogus=1"], "backend.bogus: unknown key; allowed keys in backend: _target_, name"),
     (["trainer.lr_schedule=wavy"], "trainer.lr_schedule: Invalid value 'wavy', expected one of [constant, linear, cosine]"),
     (["trainer.max_steps=0"], "trainer.max_steps=0: must be at least 1"),
@@ -121,7 +121,7 @@ def test_bad_input_is_one_plain_message_exit_2_nothing_written(overrides, messag
 def test_bad_input_exit_code_from_a_real_process(tmp_path):
     done = run_cli("backend=nope", cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: backend=nope: no such choice; allowed: auto, ondevice, ortmodule, runner, torch"
+    assert done.stderr.strip() == "error: backend=nope: no such choice; allowed: auto, compile, ondevice, ortmodule, runner, torch"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -121,16 +121,16 @@ def default_grid_with_nested_runs(folder: Path, printed: str) -> None:
 
 
 def shootout_is_a_tie_told_apart_by_speed(folder: Path, printed: str) -> None:
-    """Same model, data and seed on three backends: the same final loss, so the summary calls it a
+    """Same model, data and seed on four backends: the same final loss, so the summary calls it a
     tie and says who was fastest; every trial's speed columns are filled."""
     _, _, children = sweep_runs(folder, "backend_shootout")
-    assert sorted(c.data.tags["backend"] for c in children) == ["ondevice", "ortmodule", "torch"]
+    assert sorted(c.data.tags["backend"] for c in children) == ["compile", "ondevice", "ortmodule", "torch"]
     finals = [c.data.metrics["final/train_loss"] for c in children]
     assert max(finals) - min(finals) < 1e-3 * max(finals)
-    assert re.search(r"tie: trials 0, 1, 2 reach eval_loss [0-9.]+ within 0\.1%; fastest to it: trial \d "
+    assert re.search(r"tie: trials 0, 1, 2, 3 reach eval_loss [0-9.]+ within 0\.1%; fastest to it: trial \d "
                      r"\(backend=\w+, [0-9.]+ s\); highest throughput: trial \d \([0-9,]+ samples/s\)", printed)
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "| FINISHED |" in line]
-    assert len(rows) == 3 and all(all(cell.strip() for cell in row.split("|")[6:9]) for row in rows)
+    assert len(rows) == 4 and all(all(cell.strip() for cell in row.split("|")[6:9]) for row in rows)
 
 
 def optuna_draws_from_the_search_space(folder: Path, printed: str) -> None:
@@ -219,7 +219,7 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate --config-dir conf model=my_net data=my_data backend=runner trainer.num_workers=2": Expect(
         **{**PROJECT_RUN, "metrics": {"world_size": 2}}),
     "python -m orchestrate --config-dir conf +experiment=wine +sweep=backends": Expect(
-        where="project", runs=4, experiment="wine", says=("sweep summary",),
+        where="project", runs=5, experiment="wine", says=("sweep summary",),
         tags={"model": "models.MyNet", "data": "models.Wine"}),
     "python -m orchestrate hydra.searchpath=[file://conf] model=my_net data=my_data": Expect(**PROJECT_RUN),
     "python -m orchestrate --config-path conf --config-name train backend=ondevice": Expect(
@@ -236,7 +236,7 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate backend=ortmodule +sweep": Expect(
         runs=4, says=("sweep summary",), tags={"backend": "ortmodule"}, check=default_grid_with_nested_runs),
     "python -m orchestrate +experiment=backend_shootout +sweep": Expect(
-        runs=4, experiment="backend_shootout", says=("sweep summary",), check=shootout_is_a_tie_told_apart_by_speed),
+        runs=5, experiment="backend_shootout", says=("sweep summary",), check=shootout_is_a_tie_told_apart_by_speed),
     "python -m orchestrate +experiment=lr_search +sweep": Expect(
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
         tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space,
@@ -248,7 +248,7 @@ EXPECTED: dict[str, Expect] = {
         runs=5, says=("sweep summary",),
         long="tests/sweeps/test_sweeps.py::test_the_same_sweep_leaves_the_same_runs_on_every_launcher"),
     "python -m orchestrate +experiment=backend_shootout +sweep +dry_run": Expect(
-        says=("plan: 3 trial(s)", "backend=torch", "backend=ortmodule", "backend=ondevice"), runs=0,
+        says=("plan: 4 trial(s)", "backend=torch", "backend=compile", "backend=ortmodule", "backend=ondevice"), runs=0,
         check=nothing_ran),
     "python -m orchestrate -m hydra/launcher=submitit_slurm hydra.launcher.partition=P hydra.launcher.account=A "
     "hydra.launcher.timeout_min=120 hydra.launcher.cpus_per_task=4 hydra.launcher.gpus_per_node=1 "

@@ -12,14 +12,19 @@ The story (`AutoBackend.fit`):
    it (`Job.prepare`: the same seed gives the same initial weights and the same batches; a backend
    that refuses the config is listed with its reason), trained for `warmup_steps + probe_steps`
    steps aside: no MLflow, no evaluation, checkpoint or export, in a temporary folder.
-3. Its steady samples/s and step time are the meter's over the steps after the warm-up (the first
-   display window, which holds ORTModule's export and graph build), its loss the mean of the last
-   window. A probe whose timed steps have already taken longer than the fastest finished probe's
-   all did stops there: it can no longer be the fastest (on a CPU that another process keeps busy,
-   PyTorch's thread pool can run 20 times slower than idle; its probe then costs seconds, not
-   minutes). Each loss is compared with the reference backend's (torch) at the same step; beyond
+3. Its steady samples/s and step time are the meter's over the steps after the warm-up; the
+   warm-up window's seconds are kept apart: they hold what the run pays once, again (ORTModule's
+   export and graph build, torch.compile's compilation). A candidate's cost for the run is that
+   warm-up plus the run's other steps at its step time, so a compiler that saves a millisecond a
+   step but takes 30 s to compile is not chosen for a run of 1,000 steps, and is for 100,000.
+   The reference is probed first and the compilers last: one whose least compile time
+   (`Backend.warmup_floor_s`) is longer than the cheapest finished probe's whole run is not
+   probed at all. A probe whose timed steps have already taken so long that this cost can no longer be below the
+   cheapest finished probe's stops there (on a CPU that another process keeps busy, PyTorch's
+   thread pool can run 20 times slower than idle; its probe then costs seconds, not minutes).
+   Each loss is compared with the reference backend's (torch) at the same step; beyond
    `tolerance` the backend disagrees and is not chosen.
-4. The run trains with the fastest that agrees, on the job the app built (its model holds the
+4. The run trains with the cheapest that agrees, on the job the app built (its model holds the
    initial weights, the RNG is as it was before probing), in the app's one MLflow run: tagged
    `backend=<chosen>` and `auto=true`, with the probe table as `auto_probe.md` (and on the console).
 
@@ -131,15 +136,26 @@ class AutoBackend(Backend):
         probe had run."""
         began = time.perf_counter()
         probes: list[Probe] = []
+        after_warmup = max(job.trainer.max_steps - self.warmup_steps, 0)  # the run's steps at the step time
+        # The reference first, the backends whose warm-up has a floor (a compiler) last: a run that
+        # the others finish sooner than that floor need not wait for it to compile.
+        floor = {name: schema.target_of(node, "backend").warmup_floor_s for name, node in found.items()}
+        order = sorted(found, key=lambda name: (name != self.reference, floor[name]))
         with rng_kept():
-            for name, node in found.items():
-                fastest = min((p for p in probes if p.finished), key=lambda p: p.timed_s, default=None)
-                probes.append(probe(name, self.probe_config(job.cfg, node), fastest))
-        choice = judge(probes, self.reference, self.tolerance, what)
+            for name in order:
+                cheapest = min((p for p in probes if p.finished), key=lambda p: p.run_s(after_warmup), default=None)
+                if cheapest is not None and floor[name] > cheapest.run_s(after_warmup):
+                    probes.append(Probe(name, verdict=f"not probed: its warm-up takes at least {floor[name]:g} s, "
+                                                      f"longer than {cheapest.name}'s whole run "
+                                                      f"({cheapest.run_s(after_warmup):.2f} s)"))
+                    continue
+                probes.append(probe(name, self.probe_config(job.cfg, found[name]), cheapest, after_warmup))
+        choice = judge(probes, self.reference, self.tolerance, what, after_warmup)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
-                f"initial weights on the same batches; {choice.compared}; tolerance {self.tolerance:.1%}; probing took "
-                f"{seconds:.1f} s\n\n{table(probes, choice.base)}")
+                f"initial weights on the same batches; {choice.compared}; tolerance {self.tolerance:.1%}; the run's "
+                f"cost: its warm-up + {after_warmup:,} steps at its step time; probing took "
+                f"{seconds:.1f} s\n\n{table(probes, choice.base, after_warmup)}")
         print(text, flush=True)
         path = job.out_dir / TABLE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +180,7 @@ class Probe:
     samples_per_sec: float = math.nan  # over its timed steps (all of them, or up to where it stopped)
     step_time_ms: float = math.nan
     timed_s: float = math.nan  # the seconds its timed steps took
+    warmup_s: float = 0.0  # the seconds of its warm-up steps: an export, a compilation, first allocations
     losses: dict[int, float] = field(default_factory=dict)  # each display window's mean train loss, by its last step
     finished: bool = False  # ran every step and ended with a finite loss
     stopped_at: int | None = None  # the step it stopped at, slower than the fastest finished probe
@@ -171,9 +188,13 @@ class Probe:
     difference: float = math.nan  # (loss - the reference's) / the reference's, at the same step
     agrees: bool = False  # its loss is within the tolerance of the reference's
 
+    def run_s(self, steps: int) -> float:
+        """What the run would take with it: the warm-up again, then `steps` steps at its step time."""
+        return self.warmup_s + steps * self.step_time_ms / 1000
+
 
 class Slower(Exception):
-    """A probe's timed steps so far took longer than the fastest finished probe's all did."""
+    """A probe's timed steps so far took so long that its run can no longer be the cheapest."""
 
     def __init__(self, step: int):
         super().__init__(f"slower at step {step}")
@@ -181,19 +202,27 @@ class Slower(Exception):
 
 
 class Stopwatch:
-    """A probe's timed seconds, window by window from the meter's own step times (its display
-    hook), stopping the probe (`Slower`, before its last step) once they pass `budget_s`."""
+    """A probe's warm-up seconds and timed seconds, window by window from the meter's own step
+    times (its display hook). It stops the probe (`Slower`, before its last step) once the timed
+    seconds show that its run (`Probe.run_s`, `after_warmup` steps) costs more than `cheapest`'s:
+    its timed seconds so far, at most all of them, past the cheapest's by more than the
+    cheapest's warm-up saves over its own, scaled from the run's steps to the probe's."""
 
-    def __init__(self, trainer, budget_s: float):
-        self.warmup, self.max_steps, self.budget_s = trainer.display_loss_steps, trainer.max_steps, budget_s
-        self.seconds, self.last = 0.0, trainer.display_loss_steps
+    def __init__(self, trainer, cheapest: "Probe | None", after_warmup: int):
+        self.warmup, self.max_steps = trainer.display_loss_steps, trainer.max_steps
+        self.cheapest, self.scale = cheapest, (trainer.max_steps - self.warmup) / max(after_warmup, 1)
+        self.seconds, self.warmup_s, self.last = 0.0, 0.0, trainer.display_loss_steps
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if step <= self.warmup:  # the warm-up window: not timed
+        if step <= self.warmup:  # the warm-up window: kept apart, not timed
+            self.warmup_s = metrics["perf/step_time_ms"] * step / 1000
             return
         self.seconds += metrics["perf/step_time_ms"] * (step - self.last) / 1000
         self.last = step
-        if self.seconds > self.budget_s and step < self.max_steps:
+        if self.cheapest is None or step >= self.max_steps:
+            return
+        budget_s = self.cheapest.timed_s + (self.cheapest.warmup_s - self.warmup_s) * self.scale
+        if self.seconds > budget_s:
             raise Slower(step)
 
 
@@ -229,9 +258,10 @@ def refusal(cfg: DictConfig) -> str | None:
     return None
 
 
-def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
-    """Train the probe config `cfg` aside and measure it; stopped early once it is slower than
-    `fastest` (the fastest probe that finished before it). The process is left as found
+def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0) -> Probe:
+    """Train the probe config `cfg` aside and measure it; stopped early once its run (warm-up and
+    `after_warmup` steps) costs more than `cheapest`'s (the cheapest probe that finished before
+    it). The process is left as found
     (orchestrate.process.kept: thread counts, environment, ORT's logging); nothing stays on disk."""
     result = Probe(name)
     with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept():
@@ -240,13 +270,13 @@ def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
         except ConfigError as e:
             result.verdict = f"refused: {e}"
             return result
-        watch = Stopwatch(job.trainer, fastest.timed_s if fastest else math.inf)
+        watch = Stopwatch(job.trainer, cheapest, after_warmup)
         job.meter.on_display = watch
         try:
             job.backend.fit(job)
         except Slower as e:
             result.stopped_at = e.step
-            result.verdict = f"slower than {fastest.name}: stopped at step {e.step}"
+            result.verdict = f"slower than {cheapest.name}: stopped at step {e.step}"
         except Diverged as e:
             result.verdict = f"diverged: {e}"
             return result
@@ -257,7 +287,7 @@ def probe(name: str, cfg: DictConfig, fastest: Probe | None = None) -> Probe:
     summary = job.meter.summary()
     result.samples_per_sec = summary.get("samples_per_sec", math.nan)
     result.step_time_ms = summary.get("step_time_ms", math.nan)
-    result.timed_s = watch.seconds
+    result.timed_s, result.warmup_s = watch.seconds, watch.warmup_s
     result.losses = dict(job.meter.history.get("train/loss", []))
     last = result.losses.get(job.trainer.max_steps, math.nan)
     result.finished = math.isfinite(last)
@@ -284,12 +314,13 @@ class Choice:
     compared: str  # what the losses were compared with, in words
 
 
-def judge(probes: list[Probe], reference: str, tolerance: float, what: str) -> Choice:
+def judge(probes: list[Probe], reference: str, tolerance: float, what: str, after_warmup: int) -> Choice:
     """Compare the losses with the reference's at the same step (the probes' last, or the one the
     reference stopped at as the slower; when the reference is not a candidate or has no finite
-    loss, the first that finished is the reference) and choose the fastest that agrees. A probe
-    stopped as slower is not compared: it can no longer be the fastest (unless the one that was
-    faster disagrees; then the reference itself may be the choice). When no probe finished (every
+    loss, the first that finished is the reference) and choose the one that agrees whose run
+    (`Probe.run_s`: its warm-up, then `after_warmup` steps) is the shortest. A probe stopped as
+    slower is not compared: it can no longer be the cheapest (unless the one that was cheaper
+    disagrees; then the reference itself may be the choice). When no probe finished (every
     one diverged, failed, ended on a nan loss or was refused), the reference trains the run all the
     same (or the first that took the config), as it would have without auto: the run then shows why
     (a loss that becomes nan at step 7 does so on every backend, and the run stops there with its
@@ -315,7 +346,7 @@ def judge(probes: list[Probe], reference: str, tolerance: float, what: str) -> C
         if not p.agrees:
             p.verdict = (f"disagrees: loss {p.loss:.4f} against {base.name}'s {base.loss:.4f} ({abs(p.difference):.1%} "
                          f"apart)")
-    chosen = max((p for p in compared if p.agrees), key=lambda p: p.samples_per_sec)
+    chosen = min((p for p in compared if p.agrees), key=lambda p: p.run_s(after_warmup))
     for p in compared:
         if p is chosen:
             p.verdict = "chosen: the fastest that agrees"
@@ -323,6 +354,9 @@ def judge(probes: list[Probe], reference: str, tolerance: float, what: str) -> C
                 p.verdict += f" (stopped at step {p.stopped_at})"
         elif p.agrees and not p.stopped_at:
             p.verdict = f"agrees; {p.samples_per_sec / chosen.samples_per_sec:.2f}x the chosen one's samples/s"
+            if p.samples_per_sec > chosen.samples_per_sec:  # faster steps, a longer run: its warm-up
+                p.verdict += (f", but its {p.warmup_s:.1f} s warm-up makes the run longer ({p.run_s(after_warmup):,.1f} s "
+                              f"against {chosen.run_s(after_warmup):,.1f} s)")
     words = f"losses at step {step} compared with {base.name}'s"
     if base is not named:  # e.g. "(torch is not a candidate)", "(torch refused)", "(torch diverged)"
         words += f" ({reference} {named.verdict.split(':')[0] if named else 'is not a candidate'})"
@@ -334,15 +368,18 @@ def none_takes(what: str, reasons: dict[str, str]) -> ConfigError:
                        + "; ".join(f"{name}: {reason}" for name, reason in reasons.items()))
 
 
-def table(probes: list[Probe], base: Probe | None) -> str:
+def table(probes: list[Probe], base: Probe | None, after_warmup: int) -> str:
     """The probes as a markdown table: one row per candidate, in the order probed."""
     def number(value: float, spec: str) -> str:
         return "-" if math.isnan(value) else format(value, spec)
 
-    rows = [f"| backend | samples/s | step ms | probe loss | vs {base.name if base else 'reference'} | verdict |",
-            "|---|---:|---:|---:|---:|---|"]
+    rows = [f"| backend | samples/s | step ms | warm-up s | run s | probe loss | vs {base.name if base else 'reference'} "
+            "| verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for p in probes:
         difference = round(p.difference, 4) + 0.0  # a difference of -1e-7 shows as +0.00%, not -0.00%
+        timed = not math.isnan(p.step_time_ms)
         rows.append(f"| {p.name} | {number(p.samples_per_sec, ',.0f')} | {number(p.step_time_ms, '.3f')} | "
+                    f"{number(p.warmup_s if timed else math.nan, '.2f')} | "
+                    f"{number(p.run_s(after_warmup), ',.1f')} | "
                     f"{number(p.loss, '.4f')} | {number(difference, '+.2%')} | {p.verdict.replace('|', '/')} |")
     return "\n".join(rows) + "\n"

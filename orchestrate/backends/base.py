@@ -28,6 +28,9 @@ class Backend(ABC):
     averaging = False  # True: can average parameters every N updates (the runner's `average_every`)
     precisions = ("fp32",)  # the trainer.precision values this backend trains in
     chooses = False  # True: picks another backend to train with (backend=auto), which it never probes itself
+    # The least its first steps take beyond the steps themselves (a compilation), in seconds: a
+    # run that another backend finishes sooner than that is not probed with it (backend=auto).
+    warmup_floor_s = 0.0
 
     def check(self, job) -> None:
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""

@@ -22,7 +22,8 @@ TEST_BACKENDS = {  # conf/backend files of the user's own, in the test's config 
 
 
 def rows(markdown: str) -> dict[str, list[str]]:
-    """The probe table's rows by backend: samples/s, step ms, probe loss, vs reference, verdict."""
+    """The probe table's rows by backend: samples/s, step ms, warm-up s, run s, probe loss, vs
+    reference, verdict."""
     found = {}
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -49,15 +50,15 @@ def test_auto_chooses_neither_the_slow_nor_the_disagreeing_backend_of_a_users_co
     client = client_for(mlflow_server)
     [run] = client.search_runs([client.get_experiment_by_name("auto").experiment_id])
     table = rows(open(client.download_artifacts(run.info.run_id, "auto_probe.md")).read())
-    assert set(table) == {"torch", "ortmodule", "ondevice", "slow_torch", "off_torch"}
+    assert set(table) == {"torch", "compile", "ortmodule", "ondevice", "slow_torch", "off_torch"}
     [chosen] = [name for name, row in table.items() if row[-1].startswith("chosen")]
     assert chosen not in TEST_BACKENDS
     # The same losses as torch, but slower: stopped once slower than one that finished before it.
     assert table["slow_torch"][-1].startswith(("agrees; ", "slower than ")), table["slow_torch"]
     assert float(table["slow_torch"][0].replace(",", "")) < float(table[chosen][0].replace(",", ""))
     assert table["off_torch"][-1].startswith("disagrees: loss ")
-    assert abs(float(table["off_torch"][3].rstrip("%"))) > 10  # its difference from torch, beyond the tolerance
-    assert table["torch"][3] == "+0.00%"
+    assert abs(float(table["off_torch"][5].rstrip("%"))) > 10  # its difference from torch, beyond the tolerance
+    assert table["torch"][5] == "+0.00%"
     assert run.info.status == "FINISHED"
     assert (run.data.tags["backend"], run.data.tags["auto"]) == (chosen, "true")
     assert "| off_torch |" in printed and printed.index("| off_torch |") < printed.index(f"backend {chosen}: 40 steps")
@@ -86,7 +87,7 @@ def test_a_candidate_that_refuses_the_model_is_listed_with_its_reason(tmp_path):
     assert job.backend.name == "torch"
     table = rows((tmp_path / "auto_probe.md").read_text())
     assert table["torch"][-1] == "chosen: the fastest that agrees"
-    assert table["ondevice"][:4] == ["-", "-", "-", "-"]
+    assert table["ondevice"][:6] == ["-"] * 6
     assert table["ondevice"][-1].startswith("refused: model=tests.helpers.CumulativeMLP cannot train with "
                                             "backend=ondevice: ORT 1.19.2 has no gradient for the ONNX op CumSum")
 
@@ -104,12 +105,12 @@ def test_auto_trains_in_a_precision_only_some_candidates_take(tmp_path):
      "^backend=auto: every candidate refuses this config: ortmodule: model \\(tests.helpers.FftMLP\\) cannot be "
      "exported by ORTModule at opset 17: .*; ondevice: model \\(tests.helpers.FftMLP\\) cannot be exported"),
     (["backend.candidates=[runner]"], "^backend.candidates: runner is not a backend this can probe; allowed: "
-                                      "ondevice, ortmodule, torch$"),
+                                      "compile, ondevice, ortmodule, torch$"),
     (["backend.candidates=[]"], "^backend.candidates=\\[\\]: name at least one backend"),
     (["backend.tolerance=0"], "^backend.tolerance=0: must be above 0$"),
     (["backend.probe_steps=0"], "^backend.probe_steps=0: must be at least 1$"),
     (["trainer.resume=auto"], "^trainer.resume=auto: backend=auto cannot load its checkpoints to continue; "
-                              "allowed with backend=ondevice, ortmodule, runner, torch$"),
+                              "allowed with backend=compile, ondevice, ortmodule, runner, torch$"),
     (["backend=runner", "backend.engine=auto", "trainer.resume=auto"],
      "^trainer.resume=auto: backend.engine=auto cannot continue a run"),
 ])
@@ -118,28 +119,63 @@ def test_bad_auto_settings_are_refused_before_any_run(overrides, message, make_c
         Job.prepare(make_cfg("backend=auto", *QUICK, *overrides), "unused")
 
 
-def probes(*specs: tuple[str, float, float]) -> list[Probe]:
-    """Probes that ran 35 steps at `speed` samples/s to `loss` (a nan loss: none finished)."""
-    return [Probe(name, samples_per_sec=speed, losses={35: loss}, finished=math.isfinite(loss))
-            for name, speed, loss in specs]
+def probes(*specs: tuple) -> list[Probe]:
+    """Probes that ran 35 steps at `speed` samples/s (a batch of 1) to `loss` (a nan loss: none
+    finished), after a warm-up of `warmup_s` seconds (0 unless given)."""
+    return [Probe(name, samples_per_sec=speed, step_time_ms=1000 / speed, losses={35: loss},
+                  finished=math.isfinite(loss), warmup_s=warmup_s[0] if warmup_s else 0.0)
+            for name, speed, loss, *warmup_s in specs]
 
 
 def test_the_fastest_backend_that_disagrees_is_not_chosen():
     found = probes(("torch", 100.0, 1.0), ("fast", 500.0, 1.5), ("close", 200.0, 1.05))
-    choice = judge(found, "torch", 0.1, "backend=auto")
+    choice = judge(found, "torch", 0.1, "backend=auto", 1000)
     assert choice.chosen.name == "close"
     assert found[1].verdict == "disagrees: loss 1.5000 against torch's 1.0000 (50.0% apart)"
     assert found[0].verdict == "agrees; 0.50x the chosen one's samples/s"
 
 
+def test_a_compilers_warm_up_is_paid_back_only_by_a_long_enough_run():
+    """torch.compile's steps at 2x eager's speed after a 30 s compile: eager's run is the shorter
+    up to 30 s of eager steps (3,000 here: 10 ms each, 5 ms compiled), compile's past it."""
+    for steps, chosen in ((1_000, "torch"), (5_999, "torch"), (6_001, "compile"), (100_000, "compile")):
+        found = probes(("torch", 100.0, 1.0), ("compile", 200.0, 1.0, 30.0))
+        assert judge(found, "torch", 0.1, "backend=auto", steps).chosen.name == chosen, steps
+    found = probes(("torch", 100.0, 1.0), ("compile", 200.0, 1.0, 30.0))
+    judge(found, "torch", 0.1, "backend=auto", 1_000)
+    assert found[1].verdict == ("agrees; 2.00x the chosen one's samples/s, but its 30.0 s warm-up makes the run "
+                                "longer (35.0 s against 10.0 s)")
+
+
+def test_a_probe_whose_run_cannot_be_the_cheapest_stops_and_one_that_still_can_goes_on():
+    """The stopwatch weighs warm-ups too: after compile finished (30 s warm-up, 5 ms steps), eager
+    (no warm-up, 10 ms steps) is not stopped on a short run, and is on a long one."""
+    from types import SimpleNamespace
+
+    from orchestrate.backends.auto import Slower, Stopwatch
+
+    trainer = SimpleNamespace(display_loss_steps=5, max_steps=35)
+    compiled = Probe("compile", step_time_ms=5.0, timed_s=0.15, warmup_s=30.0, finished=True)
+    for after_warmup, stops in ((1_000, False), (100_000, True)):
+        watch = Stopwatch(trainer, compiled, after_warmup)
+        watch(5, {"perf/step_time_ms": 10.0})
+        try:
+            for step in range(10, 35, 5):
+                watch(step, {"perf/step_time_ms": 10.0})
+            stopped = False
+        except Slower:
+            stopped = True
+        assert stopped == stops, after_warmup
+
+
 def test_without_the_reference_the_first_that_finished_is_compared_with_and_said():
     found = probes(("ondevice", 100.0, 1.0), ("ortmodule", 50.0, 1.01))
-    choice = judge(found, "torch", 0.1, "backend=auto")
+    choice = judge(found, "torch", 0.1, "backend=auto", 1000)
     assert (choice.chosen.name, choice.base.name) == ("ondevice", "ondevice")
     assert choice.compared == "losses at step 35 compared with ondevice's (torch is not a candidate)"
     found = probes(("ondevice", 100.0, 1.0), ("torch", math.nan, math.nan))
     found[1].verdict = "refused: model (M) cannot run on data's sample batch"
-    assert judge(found, "torch", 0.1, "backend=auto").compared == ("losses at step 35 compared with ondevice's "
+    assert judge(found, "torch", 0.1, "backend=auto", 1000).compared == ("losses at step 35 compared with ondevice's "
                                                                    "(torch refused)")
 
 
@@ -153,19 +189,19 @@ def test_a_reference_stopped_as_slower_is_compared_with_at_the_step_it_stopped()
                       verdict="slower than off: stopped at step 10"))
 
     off, ondevice, torch_ = three()
-    choice = judge([off, ondevice, torch_], "torch", 0.1, "backend=auto")
+    choice = judge([off, ondevice, torch_], "torch", 0.1, "backend=auto", 1000)
     assert choice.chosen is ondevice and choice.compared == "losses at step 10 compared with torch's"
     assert off.verdict == "disagrees: loss 2.5000 against torch's 1.5200 (64.5% apart)"
     assert torch_.verdict == "slower than off: stopped at step 10"
     off, _, torch_ = three()  # when every faster one disagrees, the reference itself trains the run
-    assert judge([off, torch_], "torch", 0.1, "backend=auto").chosen is torch_
+    assert judge([off, torch_], "torch", 0.1, "backend=auto", 1000).chosen is torch_
     assert torch_.verdict == "chosen: the fastest that agrees (stopped at step 10)"
 
 
 def test_when_no_probe_finished_the_reference_trains_the_run_and_shows_why():
     found = probes(("ondevice", math.nan, math.nan), ("torch", math.nan, math.nan))
     found[0].verdict, found[1].verdict = "diverged: loss became nan at step 7", "diverged: loss became nan at step 7"
-    choice = judge(found, "torch", 0.1, "backend=auto")
+    choice = judge(found, "torch", 0.1, "backend=auto", 1000)
     assert choice.chosen.name == "torch" and choice.base is None
     assert found[1].verdict.endswith("chosen all the same: no probe ended with a finite loss, and the run shows why")
 

@@ -240,7 +240,16 @@ def single_process(backend: str) -> bool:
 # Every single-process backend but torch (whose loop ends with export_onnx, the reference) with
 # every model, 2 steps each; the runner's model.onnx is its engine's (the workers run the engine's
 # loop), checked once more here with the BatchNorm model.
-SIGNATURE_CASES = [pytest.param(b, m, (), marks=[pytest.mark.slow] if starts_ort_or_ray(b) else [], id=f"{b}-{m}")
+def signature_marks(backend: str) -> list:
+    """A compiler (`warmup_floor_s`: torch.compile) compiles each model for minutes on 2 cores and
+    exports the plain model as torch does: its cases are the long tier's."""
+    if backend_target(backend).warmup_floor_s:
+        return [pytest.mark.slow, long(f"test_onnx_model_has_the_signature_of_torchs_export[{backend}] (torch's "
+                                       "export of the plain model, which the loop shares)")]
+    return [pytest.mark.slow] if starts_ort_or_ray(backend) else []
+
+
+SIGNATURE_CASES = [pytest.param(b, m, (), marks=signature_marks(b), id=f"{b}-{m}")
                    for b in BACKENDS if b != "torch" and single_process(b) for m in MODELS]
 SIGNATURE_CASES += [pytest.param("runner", "cnn", ("backend.engine=ondevice", "trainer.num_workers=2"),
                                  marks=pytest.mark.slow, id="runner-ondevice-cnn")]

@@ -247,7 +247,7 @@ def test_ray_trains_preemption_watcher_is_off_on_the_local_ray_only_while_the_ru
     (["backend=runner", "trainer.num_workers=0"], "trainer.num_workers=0: must be at least 1"),
     (["backend=runner", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be at least 1"),
     (["backend=torch", "trainer.num_workers=2"], "need backend=runner"),
-    (["backend=runner", "backend.engine=jax"], "backend.engine=jax: no such backend; allowed: ondevice, ortmodule, torch"),
+    (["backend=runner", "backend.engine=jax"], "backend.engine=jax: no such backend; allowed: compile, ondevice, ortmodule, torch"),
     (["backend=runner", "backend.engine=runner"], "backend.engine=runner: the runner cannot run itself"),
     (["backend=runner", "backend.average_every=5"], "backend.average_every needs an engine that averages parameters"),
     (["backend=runner", "backend.placement_strategy=RANDOM"], "allowed: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),

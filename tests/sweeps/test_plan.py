@@ -57,7 +57,7 @@ def left_running(pattern: str) -> str:
      r"error: trial 0 \(trainer.max_steps=0 data=synthetic trainer=quick\): trainer.max_steps=0: must be at least 1"),
     # A bad choice: the message a single run `backend=tensorflow` gets.
     (["-m", "backend=torch,tensorflow"],
-     r"error: backend=tensorflow: no such choice; allowed: auto, ondevice, ortmodule, runner, torch"),
+     r"error: backend=tensorflow: no such choice; allowed: auto, compile, ondevice, ortmodule, runner, torch"),
     # Optuna's choices are each checked...
     (["+experiment=lr_search", "+sweep", "trainer.max_steps=choice(10, 0)"],
      r"error: trial \d+ \([^)]*trainer.max_steps=0[^)]*\): trainer.max_steps=0: must be at least 1"),
