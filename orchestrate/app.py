@@ -137,6 +137,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             except Exception as e:  # the step it failed at: in the error's line and the run's `error` tag
                 errors.mark(e, step=job.meter.step)
                 raise
+            finally:
+                if hasattr(job.data, "close"):  # a data set read by loader processes: they end with the run
+                    job.data.close()
             job.meter.close()
             metrics = job.meter.summary()
             pruned_at = metrics.get("pruned_at")  # the runner's meter has it from rank 0's summary

@@ -19,6 +19,7 @@ from orchestrate import checkpoints, losses, ort, schema
 from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
+from orchestrate.tasks import loader
 from orchestrate.tasks.data import DataSet
 
 
@@ -33,7 +34,13 @@ def build_data(node: DictConfig) -> DataSet:
     if key not in _DATA:
         while len(_DATA) >= DATA_KEPT:
             _DATA.pop(next(iter(_DATA)))
-        _DATA[key] = schema.build(node, "data")
+        built = schema.build(node, "data")
+        if loader.is_map_dataset(built):  # a torch Dataset of the user's own: served by MapData's defaults
+            try:
+                built = loader.MapData(built)
+            except ValueError as e:
+                raise schema.ConfigError(f"data ({node._target_}): {e}") from None
+        _DATA[key] = built
     return _DATA[key]
 
 

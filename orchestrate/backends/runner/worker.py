@@ -104,6 +104,9 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
             if job.meter.tracker:
                 job.meter.tracker.close()
         raise
+    finally:
+        if hasattr(job.data, "close"):  # a data set read by loader processes: they end with the run
+            job.data.close()
 
     summary = job.meter.summary()
     refused = []  # the registry's refusals of the model rank 0 logged: the driver's run fails with them
