@@ -1,6 +1,7 @@
 """backend=auto against a backend shootout: on each shipped model, auto's choice (from its probes)
-next to the fastest backend of a run of each one (what `+experiment=backend_shootout +sweep`
-runs: the same model, data and seed, 300 steps), and what the probing cost.
+next to the backend whose run of the same steps ended soonest, a compile or an export included
+(what `+experiment=backend_shootout +sweep` runs: the same model, data and seed, 300 steps), and
+what the probing cost.
 
     python benchmarks/auto.py                        # every shipped model, then the cost on the digits MLP
     python benchmarks/auto.py --models mlp cnn --no-cost
@@ -62,7 +63,7 @@ def shootout(model: str, steps: int, candidates: list[str], folder: Path) -> dic
         metrics, _, walls[backend] = train([f"backend={backend}", *common], store, folder / f"{model}-{backend}")
         speed[backend] = metrics["samples_per_sec"]
     chosen = tags["backend"]
-    return {"model": model, "steps": steps, "chosen": chosen, "fastest": max(speed, key=speed.get), "speed": speed,
+    return {"model": model, "steps": steps, "chosen": chosen, "fastest": min(walls, key=walls.get), "speed": speed,
             "probing": auto["auto_probe_s"], "cost": auto_wall - walls[chosen], "run": walls[chosen]}
 
 

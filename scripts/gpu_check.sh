@@ -2,8 +2,9 @@
 # The torch paths on a lent GPU machine (docs/performance.md, "On a GPU").
 #
 # Those machines run Python 3.12 with a CUDA build of torch, where onnxruntime-training 1.19.2
-# cannot be installed: only backend=torch is tried, on the CPU and on CUDA in fp32 (TF32 matrix
-# products on, the default, and off), fp16 and bf16.
+# cannot be installed: backend=torch and backend=compile (torch.compile) are tried, on the CPU and on
+# CUDA in fp32 (TF32 matrix products on, the default, and off), fp16 and bf16; compile's compile
+# time is its own column (the step time leaves it out).
 # Hydra, MLflow and the rest of the pure-Python stack travel as wheels in .whl/ (fetched here with
 # ../shared/gpu/fetch-wheels.sh); they go into a temporary folder, not into the machine's Python.
 #
@@ -29,28 +30,31 @@ python3 -c "import sklearn" 2>/dev/null && mlp="model=mlp data=digits" || mlp="m
 gpt="model=char_transformer data=python_source"
 rc=0
 if [ "$parts" != loop ]; then
-echo "| model | device | precision | steps | wall s | samples/s | final train loss | eval loss |"
-echo "|---|---|---|---:|---:|---:|---:|---:|"
+echo "| model | backend | device | precision | steps | wall s | samples/s | compile s | final train loss | eval loss |"
+echo "|---|---|---|---|---:|---:|---:|---:|---:|---:|"
 i=0
+for backend in torch compile; do
 for model in "$mlp" "$gpt"; do
   for run in "trainer.device=cpu" "trainer.device=cuda trainer.tf32=false" "trainer.device=cuda" \
              "trainer.device=cuda trainer.precision=fp16" "trainer.device=cuda trainer.precision=bf16"; do
     i=$((i + 1)); log="$work/run$i.log"
-    python3 -m orchestrate backend=torch $model $run trainer.max_steps="$steps" \
+    python3 -m orchestrate backend=$backend $model $run trainer.max_steps="$steps" \
       tracking.uri="sqlite:///$work/gpu.db" hydra.run.dir="$work/out$i" > "$log" 2>&1
     rc=$?
     cat "$log" >> "$work/all.log"
     get() { tr '\r' '\n' < "$log" | grep -E "^  $1 " | awk '{print $NF}' | tail -1; }
+    compile_s=$(tr '\r' '\n' < "$log" | grep -E "^  compile \(s\) " | awk '{print $3}' | tail -1)
     wall=$(tr '\r' '\n' < "$log" | grep -Eo "steps in [0-9.]+ s" | awk '{print $3}')
     prec=$(echo "$run" | grep -Eo 'fp16|bf16' || echo fp32)
     echo "$run" | grep -q 'device=cuda' && [ "$prec" = fp32 ] && prec="fp32, tf32=$(echo "$run" | grep -q tf32=false && echo off || echo on)"
     dev=$(echo "$run" | grep -q cuda && echo cuda || echo cpu)
     if [ $rc -ne 0 ]; then
-      echo "| ${model%% *} | $dev | $prec | $steps | failed (exit $rc): $(grep -m1 -E 'Error|error' "$log") | | | |"
+      echo "| ${model%% *} | $backend | $dev | $prec | $steps | failed (exit $rc): $(grep -m1 -E 'Error|error' "$log") | | | | |"
     else
-      echo "| ${model%% *} (${model##* }) | $dev | $prec | $steps | $wall | $(get samples/s) | $(get 'final train loss') | $(get 'eval loss') |"
+      echo "| ${model%% *} (${model##* }) | $backend | $dev | $prec | $steps | $wall | $(get samples/s) | ${compile_s:--} | $(get 'final train loss') | $(get 'eval loss') |"
     fi
   done
+done
 done
 fi
 if [ "$parts" != runs ]; then
