@@ -105,6 +105,17 @@ def test_ortmodule_engine_two_workers_equal_one(tmp_path, one_worker):
 
 
 @pytest.mark.slow
+def test_compile_engine_two_workers_equal_one(tmp_path, one_worker):
+    """DDP(torch.compile(model)) on each worker: its gradients all-reduced as the torch engine's,
+    the same weights within 1e-5 (Inductor's fused kernels round a little differently), and the
+    compile time logged apart from the step times."""
+    two = train(tmp_path, "two", "backend.engine=compile", "trainer.num_workers=2", "trainer.batch_size=32")
+    assert_same(final_weights(two), final_weights(one_worker), atol=1e-5)
+    [(step, seconds)] = metric_steps(client_for(f"sqlite:///{tmp_path}/mlflow.db"), two.run_id, "perf/compile_s")
+    assert step == 1 and seconds > 0
+
+
+@pytest.mark.slow
 def test_ondevice_engine_all_reduces_gradients(tmp_path, one_worker):
     """ORT's gradient buffers, all-reduced in place: 2 workers x B (with 2 micro-batches each)
     equal the PyTorch engine on one worker with 4B."""
