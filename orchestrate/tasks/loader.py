@@ -89,6 +89,16 @@ class MapData:
         yield from self._make_loader(torch.utils.data.BatchSampler(range(len(self.eval_set)), batch_size, False),
                                      self.eval_set)
 
+    def described(self, split: str) -> dict[str, str]:
+        """What the split is, for the run's inputs in MLflow (orchestrate.tracking.datasets): the
+        Dataset's class, its items, and what it says of its own source (`source`, if it has one)."""
+        facts = {"class": f"{type(self.dataset).__module__}.{self.name}", "split": split,
+                 "items": str(self.num_train if split == "train" else len(self.eval_set))}
+        source = getattr(self.dataset, "source", None)
+        if source is not None:
+            facts["source"] = str(source)
+        return facts
+
     def close(self) -> None:
         """Stop the loader's worker processes (a run's end; the next run starts them again)."""
         loader, self._loader, self._next = self._loader, None, None

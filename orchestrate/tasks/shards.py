@@ -49,6 +49,11 @@ class ShardWindows(Dataset):
     def __len__(self) -> int:
         return self.starts[-1]
 
+    @property
+    def source(self) -> str:
+        """The shards, as the run's inputs in MLflow name them: the folder, each file's size."""
+        return f"{self.files[0].parent}: " + ", ".join(f"{p.name} ({p.stat().st_size:,} bytes)" for p in self.files)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")

@@ -16,8 +16,24 @@ def dataset_inputs(data, name: str) -> list:
     found = []
     for split in ("train", "eval"):
         x, y = getattr(data, f"x_{split}", None), getattr(data, f"y_{split}", None)
-        if x is None:
+        if x is not None:
+            dataset = mlflow.data.from_numpy(np.asarray(x), targets=np.asarray(y), name=name)
+        elif hasattr(data, "described"):  # a Dataset read from files (MapData): what it is, not its contents
+            dataset = described(data.described(split), name)
+        else:
             continue
-        dataset = mlflow.data.from_numpy(np.asarray(x), targets=np.asarray(y), name=name)
         found.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(CONTEXT, split)]))
     return found
+
+
+def described(facts: dict[str, str], name: str):
+    """An MLflow dataset for data that is not arrays in memory: its source is what the data set
+    says of itself (class, items, files), its digest a hash of that, so that runs on the same
+    files and split show the same Dataset in the runs table."""
+    import hashlib
+
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    digest = hashlib.sha256(repr(sorted(facts.items())).encode()).hexdigest()[:8]
+    return MetaDataset(CodeDatasetSource(tags=facts), name=name, digest=digest)

@@ -214,7 +214,7 @@ def test_the_runner_chooses_its_engine_the_same_way(ray_shared, make_cfg, tmp_pa
     result = app.train(cfg, tmp_path / "out")
     run = client_for(cfg.tracking.uri).get_run(result.run_id)
     table = rows((tmp_path / "out" / "auto_probe.md").read_text())
-    assert set(table) == {"ondevice", "ortmodule", "torch"}  # the engines (data_parallel); not auto, not the runner
+    assert set(table) == {"compile", "ondevice", "ortmodule", "torch"}  # the engines (data_parallel); not auto, nor the runner
     [chosen] = [name for name, row in table.items() if row[-1].startswith("chosen")]
     assert (run.data.tags["backend"], run.data.tags["engine"], run.data.tags["auto"]) == ("runner", chosen, "true")
     assert run.data.params["backend.engine"] == "auto"

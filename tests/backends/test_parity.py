@@ -1,5 +1,5 @@
-"""Same seed, same start: torch, ortmodule and ondevice begin from the same weights and their
-first steps agree. Tolerances: the first loss to 1e-6 (same weights, same batch), the first ten
+"""Same seed, same start: torch, compile, ortmodule and ondevice begin from the same weights and
+their first steps agree. Tolerances: the first loss to 1e-6 (same weights, same batch), the first ten
 steps to 1e-4 relative (ORT's kernels sum in a different order than PyTorch's)."""
 
 import pytest
@@ -8,7 +8,7 @@ from orchestrate import app
 from orchestrate.config import load_config
 
 pytestmark = pytest.mark.slow  # ORTModule
-PARITY = ["torch", "ortmodule", "ondevice"]
+PARITY = ["torch", "compile", "ortmodule", "ondevice"]
 
 
 def first_losses(backend: str, tmp_path, *overrides: str) -> list[float]:
@@ -28,7 +28,7 @@ def test_backends_start_from_the_same_loss_and_agree(tmp_path, optimizer, schedu
     runs = {b: first_losses(b, tmp_path, *extra) for b in PARITY}
     reference = runs["torch"]
     assert len(reference) == 10
-    for backend in ("ortmodule", "ondevice"):
+    for backend in PARITY[1:]:
         losses = runs[backend]
         assert losses[0] == pytest.approx(reference[0], rel=1e-6), backend
         assert losses == pytest.approx(reference, rel=1e-4), backend
