@@ -216,4 +216,5 @@ def test_the_process_memory_does_not_grow_with_the_shards(shards, tmp_path):
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[name] = int(done.stderr.rsplit("peak_rss_kb ", 1)[1].split()[0]) / 1024
+    print(f"peak RSS of the training process, MB: {peaks}")
     assert peaks["large"] - peaks["small"] < 32, peaks  # MB, against 252 MB more data
