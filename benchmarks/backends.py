@@ -135,10 +135,10 @@ def plot(tables: dict[str, dict], path: Path, title: str) -> None:
     for i, backend in enumerate(backends):
         xs = [m + (i - (len(backends) - 1) / 2) * width for m in range(len(models))]
         ratio = [tables[m][backend]["samples_per_sec"] / tables[m]["torch"]["samples_per_sec"] for m in models]
-        axes[0].bar(xs, ratio, width, label=backend)
+        axes[0].bar(xs, ratio, width, label=backend, color=f"C{i}")
         waits = [tables[m][backend]["to_level_s"] or 0.0 for m in models]
         compiles = [tables[m][backend]["compile_s"] or 0.0 for m in models]
-        axes[1].bar(xs, waits, width, label=backend)
+        axes[1].bar(xs, waits, width, label=backend, color=f"C{i}")  # the same colour on both panels
         axes[1].bar(xs, compiles, width, fill=False, hatch="//", edgecolor="black", linewidth=0)
     for ax, ylabel in zip(axes, ["samples/s, x torch's (steady steps)", "s to the common eval loss (hatched: compile)"]):
         ax.set_xticks(range(len(models)), models)
