@@ -1,6 +1,7 @@
 """How loud ORT is (`backend.log_level`): by default the console shows orchestrate's own lines and
 the progress bar; ORTModule's banner, ORT's C++ log lines, the exporter's and ORT's import
-warnings go to the run's log file, and reach the console only when asked for."""
+warnings go to the run's log file, and reach the console only when asked for. And what ORTModule
+leaves behind in torch.onnx does not reach the models orchestrate exports."""
 
 import io
 import logging
@@ -169,3 +170,30 @@ def test_the_exporters_tracer_warning_goes_to_the_log_file(tmp_path):
                                 "trainer.batch_size=16")
     assert [m for m in ORT_MARKERS if m in printed] == [], printed
     assert "TracerWarning" in full_log(stdout).read_text()
+
+
+def test_a_model_exported_after_an_ortmodule_loads_in_an_inference_session(tmp_path):
+    """ORTModule registers ORT's symbolics with torch.onnx for the rest of the process (MaxPool2d
+    as an `ATen` node, which inference sessions cannot run); the trained model exported after it
+    (the same process: ORTModule's own run, backend=auto, a sweep's reused worker) is standard
+    ONNX, and ORTModule's symbolics are back for the ORTModules still alive."""
+    import onnxruntime
+    from onnxruntime.training.ortmodule import ORTModule
+    from torch.onnx._internal import registration
+
+    from orchestrate.tasks.models import ConvNet
+
+    torch.manual_seed(0)
+    wrapped = ORTModule(ConvNet(64, 10))
+    wrapped(torch.randn(4, 64)).sum().backward()  # its first step registers the symbolics
+    registered = registration.registry.get_function_group("aten::max_pool2d")._functions
+    assert any(registered.overridden(opset) for opset in range(1, 100))
+    model = ConvNet(64, 10).eval()
+    export_onnx(model, torch.randn(2, 64), tmp_path / "model.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    assert session.run(None, {"input": x.numpy()})[0] == pytest.approx(expected, abs=1e-5)
+    assert any(registered.overridden(opset) for opset in range(1, 100))
+    wrapped(torch.randn(4, 64)).sum().backward()  # and ORTModule still trains

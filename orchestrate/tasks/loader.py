@@ -20,7 +20,8 @@ Dataset in `MapData` with its defaults.)
   jump (a resume, `backend=auto`'s next probe) starts the loader again at the new position. On a
   GPU the PyTorch loops pin and copy each batch on a stream of their own (orchestrate.prefetch).
 - **An eval split**: `eval_dataset` (a second Dataset), or a seeded `eval_fraction` of
-  `dataset`'s indices, never trained on.
+  `dataset`'s indices, never trained on; at most `max_eval_items` of them (HF's
+  `max_eval_samples`: on a corpus of gigabytes a fraction is hours of evaluation).
 - **Refused up front** (before any run opens, one line naming the class and the index): items
   that are not (input, target) pairs of tensors or arrays, items that do not stack into a batch
   (the first against the last), and a `__len__` that counts items `__getitem__` does not serve.
@@ -43,24 +44,27 @@ class MapData:
     def __init__(self, dataset: Dataset, eval_dataset: Dataset | None = None,
                  eval_fraction: Annotated[float, FRACTION] = 0.1, seed: Annotated[int, SEED] = 0,
                  num_workers: Annotated[int, AT_LEAST_0] = 2, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
-                 loss: str | None = None):
+                 loss: str | None = None, max_eval_items: Annotated[int | None, AT_LEAST_1] = None):
         self.loss = loss or getattr(dataset, "loss", "cross_entropy")  # a Dataset may say its own
         losses.get(self.loss)  # a ValueError naming the allowed losses
         self.dataset, self.num_workers, self.prefetch_factor = dataset, num_workers, prefetch_factor
         self.name = type(dataset).__qualname__
         self._first = check_items(dataset)
+        cap = max_eval_items or 2**62
         if eval_dataset is not None:
             check_items(eval_dataset)
-            self.eval_set, self.train_indices = eval_dataset, np.arange(len(dataset))
+            self.train_indices = positions(len(dataset))
+            self.eval_set = eval_dataset if len(eval_dataset) <= cap else torch.utils.data.Subset(
+                eval_dataset, np.sort(np.random.default_rng(seed).permutation(len(eval_dataset))[:cap]).tolist())
         else:
             # A seeded split of the indices: the same eval items in every run of this config.
-            order = np.random.default_rng(seed).permutation(len(dataset))
+            order = np.random.default_rng(seed).permutation(positions(len(dataset)))
             n_eval = max(1, int(len(dataset) * eval_fraction))
             if n_eval >= len(dataset):
                 raise ValueError(f"data.eval_fraction={eval_fraction}: leaves no item of {self.name}'s "
                                  f"{len(dataset)} to train on")
-            self.eval_set = torch.utils.data.Subset(dataset, np.sort(order[:n_eval]).tolist())
-            self.train_indices = np.sort(order[n_eval:])
+            self.eval_set = torch.utils.data.Subset(dataset, np.sort(order[:min(n_eval, cap)]).tolist())
+            self.train_indices = np.sort(order[n_eval:])  # the held-out items past the cap stay unused
         self._loader: Iterator | None = None
         self._next: tuple | None = None  # (position, batch_size, seed, rank, world_size) the loader serves next
 
@@ -137,7 +141,8 @@ class Order:
         """The dataset indices of rank `rank`'s share of global batch `position`."""
         epoch, index = self.epoch_of(position, batch_size, world_size)
         if epoch != self._epoch:
-            self._perm, self._epoch = np.random.default_rng([seed, epoch]).permutation(len(self.train_indices)), epoch
+            rng = np.random.default_rng([seed, epoch])
+            self._perm, self._epoch = rng.permutation(positions(len(self.train_indices))), epoch
         start = index * batch_size * world_size + rank * batch_size
         return self.train_indices[self._perm[start:start + batch_size]].tolist()
 
@@ -157,6 +162,12 @@ class Positions(Sampler):
 
     def __len__(self) -> int:  # endless: the loop decides when to stop
         return 2**62
+
+
+def positions(n: int) -> np.ndarray:
+    """0 .. n - 1 in 4 bytes each where they fit (a corpus's index is its one per-item cost in this
+    process: 2 M windows, 8 MB). Shuffled, it is the same permutation `permutation(n)` draws."""
+    return np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
 
 
 def pair(items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:

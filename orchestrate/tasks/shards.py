@@ -66,15 +66,17 @@ class ShardWindows(Dataset):
 
 class TokenShards(MapData):
     """The shards in `folder` served to every backend (MapData): windows of `block_size` tokens,
-    a seeded `eval_fraction` of them held out, read by `num_workers` loader processes."""
+    a seeded `eval_fraction` of them held out (evaluated on at most `max_eval_items`), read by
+    `num_workers` loader processes."""
 
     def __init__(self, folder: str, block_size: Annotated[int, AT_LEAST_1] = 64,
                  vocab_size: Annotated[int, AT_LEAST_1] = len(PRINTABLE),
                  eval_fraction: Annotated[float, FRACTION] = 0.01, seed: Annotated[int, SEED] = 0,
-                 num_workers: Annotated[int, AT_LEAST_0] = 2, prefetch_factor: Annotated[int, AT_LEAST_1] = 4):
+                 num_workers: Annotated[int, AT_LEAST_0] = 2, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
+                 max_eval_items: Annotated[int | None, AT_LEAST_1] = 4096):
         self.vocab_size = vocab_size  # the model's (model.vocab_size: ${data.vocab_size})
         super().__init__(ShardWindows(folder, block_size), eval_fraction=eval_fraction, seed=seed,
-                         num_workers=num_workers, prefetch_factor=prefetch_factor)
+                         num_workers=num_workers, prefetch_factor=prefetch_factor, max_eval_items=max_eval_items)
         largest = int(self._first[0].max())
         if largest >= vocab_size:  # the first window's tokens, read by the check: the rest are not read here
             raise ValueError(f"data.vocab_size={vocab_size}: the shards hold token {largest}")

@@ -202,19 +202,24 @@ print(f"peak_rss_kb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=
 
 @pytest.mark.slow
 def test_the_process_memory_does_not_grow_with_the_shards(shards, tmp_path):
-    """The same 60 steps over 4 MB and over 256 MB of shards (sampled across all of them): the
-    training process's peak memory differs by far less than the data (the loader processes read
-    windows from the files; nothing keeps the shards in the process)."""
+    """The same 60 steps and the same 256 evaluated windows over 4 MB and over 256 MB of shards
+    (sampled across all of them): the training process's peak memory differs by far less than the
+    data (the loader processes read windows from the files; nothing keeps the shards in the
+    process). What does grow is the index of the windows: 2 M of them, 4 bytes each, twice (the
+    training indices and an epoch's permutation), 16 MB; and the allocator's spread between
+    identical runs of the large case was up to 65 MB. A process that kept the shards would be
+    256 MB above."""
     large = tmp_path / "large"
     write_shards(large, 256, shard_megabytes=32)
     peaks = {}
     for name, folder in (("small", shards), ("large", large)):
         done = subprocess.run([sys.executable, "-c", PEAK, *shard_overrides(folder), "backend=torch",
                                "trainer.max_steps=60", "trainer.evaluation_period=0", "trainer.progress=false",
+                               "data.eval_fraction=0.05", "data.max_eval_items=256",
                                f"tracking.uri=sqlite:///{tmp_path}/{name}.db", f"hydra.run.dir={tmp_path / name}"],
                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         peaks[name] = int(done.stderr.rsplit("peak_rss_kb ", 1)[1].split()[0]) / 1024
     print(f"peak RSS of the training process, MB: {peaks}")
-    assert peaks["large"] - peaks["small"] < 32, peaks  # MB, against 252 MB more data
+    assert peaks["large"] - peaks["small"] < 96, peaks  # MB, against 252 MB more data
