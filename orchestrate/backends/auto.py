@@ -130,7 +130,7 @@ class AutoBackend(Backend):
             raise none_takes(what, reasons)
 
     def choose(self, job, found: dict[str, DictConfig], what: str, tag: str) -> str:
-        """Probe every candidate on `job`'s config, pick the fastest that agrees, print the table,
+        """Probe every candidate on `job`'s config, pick the shortest run that agrees, print the table,
         keep it with the run (`auto_probe.md`) and tag the run (`tag` = the choice, `auto` =
         true); returns the chosen name. The RNG is put back as it was: the run trains as if no
         probe had run."""
@@ -349,7 +349,7 @@ def judge(probes: list[Probe], reference: str, tolerance: float, what: str, afte
     chosen = min((p for p in compared if p.agrees), key=lambda p: p.run_s(after_warmup))
     for p in compared:
         if p is chosen:
-            p.verdict = "chosen: the fastest that agrees"
+            p.verdict = "chosen: the shortest run that agrees"
             if p.stopped_at:  # the reference, slower than one that disagrees
                 p.verdict += f" (stopped at step {p.stopped_at})"
         elif p.agrees and not p.stopped_at:

@@ -86,7 +86,7 @@ def test_a_candidate_that_refuses_the_model_is_listed_with_its_reason(tmp_path):
                          "model._target_=tests.helpers.CumulativeMLP", "trainer.max_steps=10"], tmp_path)
     assert job.backend.name == "torch"
     table = rows((tmp_path / "auto_probe.md").read_text())
-    assert table["torch"][-1] == "chosen: the fastest that agrees"
+    assert table["torch"][-1] == "chosen: the shortest run that agrees"
     assert table["ondevice"][:6] == ["-"] * 6
     assert table["ondevice"][-1].startswith("refused: model=tests.helpers.CumulativeMLP cannot train with "
                                             "backend=ondevice: ORT 1.19.2 has no gradient for the ONNX op CumSum")
@@ -195,7 +195,7 @@ def test_a_reference_stopped_as_slower_is_compared_with_at_the_step_it_stopped()
     assert torch_.verdict == "slower than off: stopped at step 10"
     off, _, torch_ = three()  # when every faster one disagrees, the reference itself trains the run
     assert judge([off, torch_], "torch", 0.1, "backend=auto", 1000).chosen is torch_
-    assert torch_.verdict == "chosen: the fastest that agrees (stopped at step 10)"
+    assert torch_.verdict == "chosen: the shortest run that agrees (stopped at step 10)"
 
 
 def test_when_no_probe_finished_the_reference_trains_the_run_and_shows_why():
