@@ -155,7 +155,7 @@ def test_a_backend_that_cannot_resume_is_refused_naming_those_that_can(make_cfg,
     """The backends and engines a refusal offers are found from their `resumable` flags."""
     monkeypatch.setattr(OnDeviceBackend, "resumable", False)
     with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend=ondevice cannot load its checkpoints "
-                                                 "to continue; allowed with backend=ortmodule, runner, torch$"):
+                                                 "to continue; allowed with backend=compile, ortmodule, runner, torch$"):
         Job.prepare(make_cfg("backend=ondevice", "trainer.resume=auto"), "unused")
     with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend.engine=ondevice cannot continue from "
                                                  "a checkpoint; allowed engines: ortmodule, torch$"):

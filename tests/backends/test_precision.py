@@ -41,13 +41,13 @@ def test_an_ort_backend_refuses_bf16_naming_what_it_takes(backend, takes, tmp_pa
     cfg = load_config([f"backend={backend}", "trainer.precision=bf16", "data=synthetic", "trainer=quick"])
     with pytest.raises(ConfigError) as e:
         Job.prepare(cfg, tmp_path)
-    assert str(e.value) == f"trainer.precision=bf16: backend={backend} trains in {takes}; bf16 with backend=torch"
+    assert str(e.value) == f"trainer.precision=bf16: backend={backend} trains in {takes}; bf16 with backend=compile, torch"
 
 
 def test_the_runner_trains_in_its_engines_precisions(tmp_path):
     torch_engine = load_config(["backend=runner", "backend.engine=torch", "trainer.precision=bf16", "data=synthetic",
                                 "trainer=quick"])
     Job.prepare(torch_engine, tmp_path)  # accepted: the workers run the PyTorch loop
-    with pytest.raises(ConfigError, match="^trainer.precision=bf16: backend=ondevice trains in fp32; bf16 with backend=torch"):
+    with pytest.raises(ConfigError, match="^trainer.precision=bf16: backend=ondevice trains in fp32; bf16 with backend=compile, torch"):
         Job.prepare(load_config(["backend=runner", "backend.engine=ondevice", "trainer.precision=bf16",
                                  "data=synthetic", "trainer=quick"]), tmp_path)
