@@ -158,7 +158,7 @@ def test_a_backend_that_cannot_resume_is_refused_naming_those_that_can(make_cfg,
                                                  "to continue; allowed with backend=compile, ortmodule, runner, torch$"):
         Job.prepare(make_cfg("backend=ondevice", "trainer.resume=auto"), "unused")
     with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend.engine=ondevice cannot continue from "
-                                                 "a checkpoint; allowed engines: ortmodule, torch$"):
+                                                 "a checkpoint; allowed engines: compile, ortmodule, torch$"):
         Job.prepare(make_cfg("backend=runner", "backend.engine=ondevice", "trainer.resume=auto"), "unused")
 
 
