@@ -138,8 +138,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                 errors.mark(e, step=job.meter.step)
                 raise
             finally:
-                if hasattr(job.data, "close"):  # a data set read by loader processes: they end with the run
-                    job.data.close()
+                job.close_data()
             job.meter.close()
             metrics = job.meter.summary()
             pruned_at = metrics.get("pruned_at")  # the runner's meter has it from rank 0's summary

@@ -306,6 +306,11 @@ class Job:
         minimize = schema.Direction(direction) is schema.Direction.minimize
         return Registration(name, metric.replace("_", "/", 1), minimize) if name else None
 
+    def close_data(self) -> None:
+        """At the run's end: a data set read by loader processes (MapData) stops them."""
+        if hasattr(self.data, "close"):
+            self.data.close()
+
     def export_model(self, write) -> Path | None:
         """Save the trained model as ONNX for inference (`model.onnx`) and log it to the run. Not
         for a trial a sweep's pruner stopped: it lost, and its export (a second or more for a

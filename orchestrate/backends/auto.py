@@ -19,8 +19,8 @@ The story (`AutoBackend.fit`):
    step but takes 30 s to compile is not chosen for a run of 1,000 steps, and is for 100,000.
    The reference is probed first and the compilers last: one whose least compile time
    (`Backend.warmup_floor_s`) is longer than the cheapest finished probe's whole run is not
-   probed at all. A probe whose timed steps have already taken so long that this cost can no longer be below the
-   cheapest finished probe's stops there (on a CPU that another process keeps busy, PyTorch's
+   probed at all. A probe whose timed steps have already taken so long that this cost can no
+   longer be below the cheapest finished probe's stops there (on a CPU that another process keeps busy, PyTorch's
    thread pool can run 20 times slower than idle; its probe then costs seconds, not minutes).
    Each loss is compared with the reference backend's (torch) at the same step; beyond
    `tolerance` the backend disagrees and is not chosen.

@@ -104,10 +104,9 @@ class MapData:
         return facts
 
     def close(self) -> None:
-        """Stop the loader's worker processes (a run's end; the next run starts them again)."""
-        loader, self._loader, self._next = self._loader, None, None
-        if loader is not None and hasattr(loader, "_shutdown_workers"):
-            loader._shutdown_workers()
+        """Stop the loader's worker processes (a run's end; the next run starts them again): the
+        loader's iterator, the one reference to it dropped, shuts its workers down as it goes."""
+        self._loader, self._next = None, None
 
     def _make_loader(self, batches: Sampler, dataset: Dataset | None = None) -> DataLoader:
         workers = self.num_workers

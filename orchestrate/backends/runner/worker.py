@@ -105,8 +105,7 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
                 job.meter.tracker.close()
         raise
     finally:
-        if hasattr(job.data, "close"):  # a data set read by loader processes: they end with the run
-            job.data.close()
+        job.close_data()
 
     summary = job.meter.summary()
     refused = []  # the registry's refusals of the model rank 0 logged: the driver's run fails with them
