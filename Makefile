@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test test-all test-long coverage bench ui server screenshots clean
+.PHONY: setup run test test-all test-long lint coverage bench ui server screenshots clean
 
 # The virtual environment, with the pinned stack (constraints.txt) and this package, editable.
 $(VENV)/.installed: $(ROOT)pyproject.toml $(ROOT)constraints.txt
@@ -39,6 +39,10 @@ test-all: setup
 # what such a case goes through.
 test-long: setup
 	$(BIN)/python -m pytest --runslow --runlong $(ARGS)
+
+# ruff's linter over the tree, as configured in pyproject.toml (CI runs it before the tests).
+lint: setup
+	$(BIN)/ruff check $(ROOT)
 
 # Line coverage of orchestrate/ over the full suite, subprocesses and Ray workers included (every
 # process writes its data beside the checkout's .coverage, whatever folder it runs in).

@@ -165,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
 
     where = machine()  # before the runs: the load average says whether the machine was idle
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     tasks = {m: (MODELS[m][0] + args.overrides, args.steps or MODELS[m][1]) for m in args.models} if args.models \
         else {" ".join(args.overrides) or "mlp": (args.overrides or MODELS["mlp"][0], args.steps or MODELS["mlp"][1])}
     tables = {}

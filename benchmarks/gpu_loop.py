@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from backends import commit, machine  # benchmarks/backends.py: where and when it was measured
+
 from orchestrate import app, losses, process
 from orchestrate.config import load_config
 from orchestrate.job import Job, seed_everything
@@ -182,7 +182,7 @@ def main() -> int:
                 mine, theirs = statistics.median(got["orchestrate"]), statistics.median(got["hand"])
                 rows.append((model, precision, mine, theirs))
 
-    print(f"\n| model | precision | orchestrate ms/step | hand (fast) ms/step | hand / orchestrate | target | met |")
+    print("\n| model | precision | orchestrate ms/step | hand (fast) ms/step | hand / orchestrate | target | met |")
     print("|---|---|---:|---:|---:|---:|:--:|")
     for model, precision, mine, theirs in rows:
         ratio = theirs / mine

@@ -99,7 +99,7 @@ def main() -> None:
         "the rounded figures; this script writes both, and tests/test_readme.py keeps them equal.\n\n"
         f"{table}\n")
     for name, _, _, rounded in rows:
-        readme = re.sub(CLAIMS[name], lambda m: m.group(0).replace(m.group(1), str(rounded)), readme, count=1)
+        readme = re.sub(CLAIMS[name], lambda m: m.group(0).replace(m.group(1), str(rounded)), readme, count=1)  # noqa: B023
     README.write_text(readme)
 
 

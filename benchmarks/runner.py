@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def runner(engine: str, workers: int, steps: int, batch: int, tmp: str, display: int = 50) -> dict:
     from orchestrate import app
     from orchestrate.config import load_config
@@ -267,7 +268,7 @@ def plot(splits: dict, scaling: list, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for row, (engine, split) in enumerate(splits.items()):
+    for row, split in enumerate(splits.values()):
         left = 0.0
         for i, (name, s) in enumerate(split[:5]):
             axes[0].barh(row, s, left=left, color=f"C{i}", label=name[:45] if row == 0 else None)

@@ -86,8 +86,8 @@ def child(argv: list[str], modules_file: Path, result_file: Path) -> None:
     import hydra._internal.hydra
 
     from orchestrate import cli, job
-    from orchestrate.tracking import run
     from orchestrate.backends.torch import TorchBackend
+    from orchestrate.tracking import run
 
     in_check = lambda stack: "up-front check" if any(p == "up-front check" for p, _ in stack) else "model build"
     timers.wrap(cli, "validate", "up-front check")
@@ -119,9 +119,9 @@ def timed(cmd: list[str], cwd: Path) -> float:
 def imported_modules(argv: list[str], folder: Path) -> list[str]:
     """The modules the command imports, in the order it first imports them."""
     out = folder / "modules.json"
-    code = ("import atexit, json, sys; atexit.register(lambda: open(%r, 'w').write(json.dumps("
-            "[m for m in sys.modules if not m.startswith('__')]))); sys.argv = ['orchestrate', *%r]; "
-            "from orchestrate.cli import main; main()") % (str(out), argv)
+    code = (f"import atexit, json, sys; atexit.register(lambda: open({str(out)!r}, 'w').write(json.dumps("
+            f"[m for m in sys.modules if not m.startswith('__')]))); sys.argv = ['orchestrate', *{argv!r}]; "
+            "from orchestrate.cli import main; main()")
     subprocess.run([sys.executable, "-c", code], cwd=folder, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())

@@ -238,7 +238,7 @@ def plot_pruning(curves: dict, steps: int, png: Path) -> None:
 
     fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6), sharey=True, squeeze=False)
     for ax, (pruner, trials) in zip(axes[0], curves.items()):
-        for lr, width, history, pruned in trials:
+        for _lr, _width, history, pruned in trials:
             if not history:
                 continue
             x, y = zip(*history)

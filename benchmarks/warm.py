@@ -101,7 +101,7 @@ def main() -> None:
     print("| case | command | cold s | warm s | baseline s | cold / baseline | warm / baseline |")
     print("|---|---|---|---|---|---|---|")
     for case, command, c, w, base in rows:
-        ratio = (lambda x: f"{x / base:.2f}x") if base == base else (lambda x: "")
+        ratio = (lambda x: f"{x / base:.2f}x") if base == base else (lambda x: "")  # noqa: B023
         print(f"| {case} | `{command}` | {c:.1f} | {w:.1f} | {'' if base != base else f'{base:.1f}'} | "
               f"{ratio(c)} | {ratio(w)} |")
 

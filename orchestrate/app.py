@@ -21,9 +21,9 @@ from orchestrate.job import Job
 from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
-from orchestrate.tracking.run import Run, which_run
 from orchestrate.tracking.handover import finished_run_metrics
 from orchestrate.tracking.params import config_key
+from orchestrate.tracking.run import Run, which_run
 from orchestrate.tracking.stores import deleted_experiment, open_ui, reachable
 
 
@@ -149,7 +149,8 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             png = plots.loss_curves({job.backend.name: job.meter.history}, job.out_dir / "loss_curves.png",
                                     title=choices)
             tracker.log_artifact(png)
-    result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics, out_dir=job.out_dir, history=job.meter.history)
+    result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics,
+                    out_dir=job.out_dir, history=job.meter.history)
     print_summary(cfg, job, result, in_sweep=plan.handed_over is not None)
     return result
 

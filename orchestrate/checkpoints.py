@@ -13,8 +13,8 @@ the run with one line naming the folder and the cause (CheckpointError).
 import errno
 import io
 import os
-import shutil
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable

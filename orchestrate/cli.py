@@ -16,15 +16,14 @@ import sys
 import traceback
 from pathlib import Path
 
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 import yaml
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from hydra.types import RunMode
-
 from orchestrate import app, errors, schema
-from orchestrate.config import Composer, ConfigSource, group_options, load_config, searching, ORCHESTRATE
+from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, group_options, load_config, searching
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 

@@ -195,7 +195,8 @@ def check_ort_build(scratch: Path) -> tuple[bool, str]:
     if folder is None:
         return False, "onnxruntime build: none installed -> pip install onnxruntime-training-cpu==1.19.2"
     try:
-        with output_to(scratch / "onnxruntime-import.log"):  # its first import prints (torch's cpp_extension on a machine without CUDA)
+        # Its first import prints (torch's cpp_extension on a machine without CUDA).
+        with output_to(scratch / "onnxruntime-import.log"):
             import onnxruntime
             import torch
             from onnxruntime.capi import build_and_package_info as info  # what the package says it is

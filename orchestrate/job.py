@@ -22,7 +22,6 @@ from orchestrate.meter import Meter
 from orchestrate.tasks import loader
 from orchestrate.tasks.data import DataSet
 
-
 _DATA: dict[str, DataSet] = {}  # data sets built in this process, by their resolved config
 DATA_KEPT = 4  # at most this many: a Ray worker runs trial after trial of a sweep, mostly on one data set
 

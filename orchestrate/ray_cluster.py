@@ -18,8 +18,9 @@ on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chos
 
 This module imports, and only when called, nothing of orchestrate but what imports nothing itself:
 the warm head's record (orchestrate.stack), a free port (orchestrate.server) and set_env
-(orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own: `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and
-`PlacementError` (a RuntimeError: the cluster cannot hold what was asked for in time).
+(orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own:
+`RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and `PlacementError`
+(a RuntimeError: the cluster cannot hold what was asked for in time).
 """
 
 import contextlib
@@ -311,10 +312,9 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
         return
     _quiet_import()
     import ray
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
     from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError
-
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     allowed = "allowed: null (a new local Ray), auto, or the address of a running cluster"
     quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")

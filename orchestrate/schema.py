@@ -43,7 +43,8 @@ class Device(str, enum.Enum):
 class Precision(str, enum.Enum):
     fp32 = "fp32"  # on CUDA, matrix products in TF32 unless trainer.tf32=false
     fp16 = "fp16"  # CUDA only: autocast to float16 with a dynamic loss scaler
-    bf16 = "bf16"  # the PyTorch loop (backend=torch, the runner's torch engine): autocast to bfloat16, no loss scaler; CUDA or CPU
+    # The PyTorch loop (backend=torch, the runner's torch engine): autocast to bfloat16, no loss scaler; CUDA or CPU.
+    bf16 = "bf16"
 
 
 class Direction(str, enum.Enum):
@@ -231,7 +232,8 @@ def check(cfg: DictConfig) -> None:
                               "machine has none; allowed here: optimizer=adamw, optimizer=sgd")
         if (t.device == Device.cuda or t.precision == Precision.fp16) and not torch.cuda.is_available():
             what = "trainer.device=cuda" if t.device == Device.cuda else "trainer.precision=fp16"
-            raise ConfigError(f"{what} needs CUDA, and this machine has none; allowed here: trainer.device=cpu, trainer.precision=fp32")
+            raise ConfigError(f"{what} needs CUDA, and this machine has none; allowed here: trainer.device=cpu, "
+                              "trainer.precision=fp32")
     if t.precision == Precision.fp16 and t.device != Device.cuda:
         raise ConfigError("trainer.precision=fp16 needs trainer.device=cuda")
     for group in ["backend", "model", "data", "optimizer"]:

@@ -23,9 +23,18 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrate.tracking.outbox import (MAX_METRICS, MAX_TAGS, UNSENT_FILE, Artifact, Model, RunEnd, cause,
-                                         read_unsent, upload)
 from orchestrate.redact import HIDDEN, redact_text
+from orchestrate.tracking.outbox import (
+    MAX_METRICS,
+    MAX_TAGS,
+    UNSENT_FILE,
+    Artifact,
+    Model,
+    RunEnd,
+    cause,
+    read_unsent,
+    upload,
+)
 
 SENT_SUFFIX = ".sent"
 

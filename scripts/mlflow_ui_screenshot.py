@@ -59,7 +59,7 @@ def start_ui(store: str, folder: Path) -> tuple[subprocess.Popen, str]:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise SystemExit(f"mlflow ui did not answer at {url}/health within 120 s")
+                raise SystemExit(f"mlflow ui did not answer at {url}/health within 120 s") from None
             time.sleep(0.5)
 
 

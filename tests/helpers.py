@@ -15,9 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -158,8 +157,8 @@ def free_port() -> int:
 
 def alive_nodes(address: str, env: dict) -> list[str]:
     """Node ids of the cluster's live nodes, asked through Ray's public API in a fresh process."""
-    code = ("import json, ray; ray.init(address=%r, configure_logging=False); "
-            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % address)
+    code = (f"import json, ray; ray.init(address={address!r}, configure_logging=False); "
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else []
 

@@ -163,7 +163,7 @@ def start() -> SlurmCluster:
             with open(folder / "log" / f"{name}.out", "w") as out:
                 cluster.procs[name] = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                                        start_new_session=True, preexec_fn=_die_with_parent)
-            cluster.wait_for(f"{name} to start", lambda: ready[name]() or _exited(cluster, name), START_TIMEOUT_S)
+            cluster.wait_for(f"{name} to start", lambda: ready[name]() or _exited(cluster, name), START_TIMEOUT_S)  # noqa: B023
             if cluster.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited {cluster.procs[name].returncode} at start\n{cluster.log_tails()}")
         cluster.wait_for(f"node {host} to be idle in partition {PARTITION}",

@@ -13,8 +13,8 @@ import torch
 from orchestrate import app, schema
 from orchestrate.backends.ondevice import OnDeviceBackend
 from orchestrate.job import Job
-from orchestrate.tracking.params import config_key
 from orchestrate.tasks.data import Synthetic
+from orchestrate.tracking.params import config_key
 from tests.conftest import BACKENDS, ROOT, client_for, long, metric_steps
 from tests.helpers import served_twice
 

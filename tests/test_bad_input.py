@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrate.config import ORCHESTRATE
 from orchestrate.cli import main, validate
+from orchestrate.config import ORCHESTRATE
 
 CASES = [
     # sweeps
@@ -34,7 +34,8 @@ CASES = [
     # launcher options, sweeps that can never be placed
     (["-m", "hydra.launcher.cpus_per_trial=999", "optimizer.lr=0.1,0.2"],
      "hydra.launcher.cpus_per_trial=999: a trial asks for more CPUs than the local Ray instance has"),
-    (["-m", "hydra.launcher.gpus_per_trial=1", "optimizer.lr=0.1,0.2"], "hydra.launcher.gpus_per_trial=1: this machine has 0 GPU(s)"),
+    (["-m", "hydra.launcher.gpus_per_trial=1", "optimizer.lr=0.1,0.2"],
+     "hydra.launcher.gpus_per_trial=1: this machine has 0 GPU(s)"),
     (["-m", "hydra.launcher.nope=1", "optimizer.lr=0.1,0.2"], "hydra.launcher.nope: unknown key"),
     (["-m", "hydra.launcher.placement_timeout_s=abc", "optimizer.lr=0.1,0.2"],
      "hydra.launcher.placement_timeout_s: Value 'abc' of type 'str' could not be converted to Float"),

@@ -3,9 +3,9 @@ every worker's `on_save` is called, only the writer writes; every backend's load
 state that can travel to the runner's workers."""
 
 import errno
+import os
 import pickle
 import signal
-import os
 from pathlib import Path
 
 import pytest

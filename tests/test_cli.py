@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from orchestrate import app
-from orchestrate.config import ConfigSource, load_config
 from orchestrate.cli import main
+from orchestrate.config import ConfigSource, load_config
 from tests.helpers import exit_code
 
 
@@ -34,9 +34,12 @@ BAD_INPUT = [
     (["model=char_transformer", "data=python_files"],
      "gives logits of shape [2, 64, 96] for data's batch of 2, whose targets have shape [2]: data.loss=cross_entropy"),
     (["backend=ondevice", "backend.frozen_params=[encoder.*]"], "backend.frozen_params: 'encoder.*' matches no parameter"),
-    (["backend=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers torch.optim.AdamW and torch.optim.SGD"),
-    (["backend=ondevice", "data=synthetic", "data.loss=huber"], "data.loss='huber' is not one of cross_entropy, mse, bce_with_logits, l1"),
-    (["model=char_transformer", "data=python_source", "data.files=[no_such_module.py]"], "data.files: no_such_module.py not found"),
+    (["backend=ondevice", "optimizer._target_=torch.optim.Adam"],
+     "the on-device API offers torch.optim.AdamW and torch.optim.SGD"),
+    (["backend=ondevice", "data=synthetic", "data.loss=huber"],
+     "data.loss='huber' is not one of cross_entropy, mse, bce_with_logits, l1"),
+    (["model=char_transformer", "data=python_source", "data.files=[no_such_module.py]"],
+     "data.files: no_such_module.py not found"),
     (["model.hidden_size=3"], "model.hidden_size: unknown key; allowed keys in model: _target_, in_features"),
     (["model._target_=orchestrate.tasks.models.Nope"], "model._target_"),
     (["trainer.batch_size=5000"], "trainer.batch_size=5000 x 1 worker(s) is larger than the training set"),
@@ -121,7 +124,8 @@ def test_bad_input_is_one_plain_message_exit_2_nothing_written(overrides, messag
 def test_bad_input_exit_code_from_a_real_process(tmp_path):
     done = run_cli("backend=nope", cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: backend=nope: no such choice; allowed: auto, compile, ondevice, ortmodule, runner, torch"
+    assert done.stderr.strip() == ("error: backend=nope: no such choice; "
+                                   "allowed: auto, compile, ondevice, ortmodule, runner, torch")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -139,7 +143,8 @@ def user_conf(tmp_path, monkeypatch):
 @pytest.mark.parametrize("where", [["--config-dir", "conf"], ["--config-dir=conf"], ["hydra.searchpath=[file://conf]"]])
 def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, user_conf, monkeypatch, capsys):
     assert exit_code(monkeypatch, *where, "model=wider") == 2
-    assert capsys.readouterr().err.strip() == "error: model=wider: no such choice; allowed: char_transformer, cnn, hf_causal_lm, hf_classifier, mlp, wide"
+    assert capsys.readouterr().err.strip() == ("error: model=wider: no such choice; "
+                                               "allowed: char_transformer, cnn, hf_causal_lm, hf_classifier, mlp, wide")
     assert sorted(p.name for p in user_conf.iterdir()) == ["conf"]
 
 

@@ -20,7 +20,8 @@ def test_experiments_are_global_package_files():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_a_few_steps(name, tmp_path):
     cfg = load_config([f"+experiment={name}", "trainer.max_steps=4", "trainer.display_loss_steps=2",
-                           "trainer.evaluation_period=4", "trainer.checkpoint_period=4", "trainer.warmup_steps=0", "trainer.progress=false",
+                           "trainer.evaluation_period=4", "trainer.checkpoint_period=4", "trainer.warmup_steps=0",
+                           "trainer.progress=false",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
     result = app.train(cfg, Path(tmp_path) / "out")
     assert len(result.history["train/loss"]) == 2

@@ -19,7 +19,7 @@ def test_window_means_and_eval_steps(tmp_path):
     meter.on_display = lambda step, metrics: displayed.append(step)
     for step in meter.steps():
         meter.record(step, float(step))
-        meter.evaluate(step, lambda: (1.0 / step, None))
+        meter.evaluate(step, lambda: (1.0 / step, None))  # noqa: B023
     assert meter.history["train/loss"] == [(4, 2.5), (8, 6.5), (10, 9.5)]
     assert [s for s, _ in meter.history["eval/loss"]] == [5, 10]
     assert displayed == [4, 8, 10]
@@ -133,7 +133,7 @@ def test_a_pruned_trial_stops_after_the_evaluation_where_its_pruner_says(tmp_pat
     for step in meter.steps():
         ran.append(step)
         meter.record(step, 1.0)
-        meter.evaluate(step, lambda: (1.0 / step, None))
+        meter.evaluate(step, lambda: (1.0 / step, None))  # noqa: B023
         if meter.stop_early(step):
             break
     assert ran[-1] == 20 and meter.pruned_at == 20 and meter.summary()["pruned_at"] == 20

@@ -8,7 +8,6 @@ import subprocess
 import tomllib
 import zipfile
 
-
 from tests.conftest import ROOT
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -45,5 +44,6 @@ def test_wheel_holds_the_configs_and_the_ray_launcher(installed_wheel):
 def test_console_script_refuses_bad_input(installed_wheel, tmp_path):
     done = run(installed_wheel, "orchestrate", "backend=nope", cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: backend=nope: no such choice; allowed: auto, compile, ondevice, ortmodule, runner, torch"
+    assert done.stderr.strip() == ("error: backend=nope: no such choice; "
+                                   "allowed: auto, compile, ondevice, ortmodule, runner, torch")
     assert list(tmp_path.iterdir()) == []

@@ -23,10 +23,10 @@ import textwrap
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from mlflow.tracking import MlflowClient

@@ -13,8 +13,9 @@ Shaped like Hydra's own plugins: this thin public class and its `*Conf` dataclas
 ConfigStore as hydra/sweeper=orchestrate_grid.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -27,7 +28,7 @@ class OrchestrateGridSweeperConf:
     # Jobs launched together (the launcher gets one batch at a time); null: every job in one batch.
     max_batch_size: Optional[int] = None
     # The grid, as Hydra's basic sweeper takes it: key -> comma-separated values, range(...), ...
-    params: Optional[Dict[str, str]] = None
+    params: Optional[dict[str, str]] = None
     # Compose every job of a batch before launching it, as Hydra's basic sweeper always does; false:
     # the launcher composes each job when it runs it, and a bad job fails alone.
     validate_jobs: bool = False
@@ -40,7 +41,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="orchestrate_grid", nod
 class OrchestrateGridSweeper(BasicSweeper):
     """Hydra's BasicSweeper, without its composition of every job up front unless `validate_jobs`."""
 
-    def __init__(self, max_batch_size: Optional[int], params: Optional[Dict[str, str]] = None,
+    def __init__(self, max_batch_size: Optional[int], params: Optional[dict[str, str]] = None,
                  validate_jobs: bool = False) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.validate_jobs = validate_jobs

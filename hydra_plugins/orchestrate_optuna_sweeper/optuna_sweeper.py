@@ -18,7 +18,7 @@ imported only when a sweep starts.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
@@ -106,7 +106,7 @@ class NopPrunerConf:
 class OrchestrateOptunaSweeperConf:
     # The sampler and the pruner are config groups: hydra/sweeper/sampler=random,
     # hydra/sweeper/pruner=hyperband.
-    defaults: List[Any] = field(default_factory=lambda: [{"sampler": "tpe"}, {"pruner": "successive_halving"}])
+    defaults: list[Any] = field(default_factory=lambda: [{"sampler": "tpe"}, {"pruner": "successive_halving"}])
     # The class Hydra instantiates with these settings.
     _target_: str = "hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper.OrchestrateOptunaSweeper"
     # The sampler and pruner reach the sweeper as configs (built in the sweep; the pruner is built
@@ -133,7 +133,7 @@ class OrchestrateOptunaSweeperConf:
     pruner: Any = MISSING  # hydra/sweeper/pruner: successive_halving (default), median, hyperband, none
     # The search space: key -> choice(...), range(...), interval(...), tag(log, interval(...)), or a
     # fixed value, as Hydra's Optuna sweeper reads it. Sweeps on the command line are added to it.
-    params: Optional[Dict[str, str]] = None
+    params: Optional[dict[str, str]] = None
 
 
 _store = ConfigStore.instance()
@@ -166,7 +166,7 @@ class OrchestrateOptunaSweeper(Sweeper):
         launcher = type(self.launcher)
         _optuna.check(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}")
 
-    def sweep(self, arguments: List[str]) -> None:
+    def sweep(self, arguments: list[str]) -> None:
         from orchestrate.sweeps import _optuna
 
         _optuna.sweep(self, arguments)

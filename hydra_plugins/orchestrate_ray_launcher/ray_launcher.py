@@ -9,8 +9,9 @@ at the first failure, asks Ray for no resources per job, and waits forever for j
 cluster cannot hold.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn

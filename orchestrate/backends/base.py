@@ -6,8 +6,8 @@ is one file in this folder plus one file in conf/backend/ whose `_target_` names
 """
 
 import contextlib
-from collections.abc import Callable, Iterable
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ class Backend(ABC):
     # run that another backend finishes sooner than that is not probed with it (backend=auto).
     warmup_floor_s = 0.0
 
-    def check(self, job) -> None:
+    def check(self, job) -> None:  # noqa: B027
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""
 
     def check_precision(self, job) -> None:

@@ -369,7 +369,7 @@ class OnDeviceBackend(Backend):
             sync.after_update(step, module)  # or average the parameters every N updates
 
             meter.evaluate(step, lambda: self.evaluate(module, job))
-            job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt",
+            job.checkpoints.save(step, lambda path: self.save_checkpoint(path, state, step, job), suffix=".ckpt",  # noqa: B023
                                  export=export)
             if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
                 break

@@ -18,8 +18,8 @@ import sys
 import tempfile
 import time
 import types
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,7 +27,6 @@ from orchestrate import ort
 from orchestrate.backends.torch import TorchBackend, export_for_training
 from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
-
 
 # The environment options ORT 1.19.2 reads each time an ORTModule is built or exports its graph:
 # _RuntimeOptions._override_from_env_vars in onnxruntime/training/ortmodule/options.py, plus

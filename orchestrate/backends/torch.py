@@ -13,8 +13,8 @@ ModelUpdateStep (forward, backward, AllReduce, optimizer step, schedule step). W
 import contextlib
 import io
 from dataclasses import dataclass, field
-from typing import Annotated
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -115,7 +115,7 @@ class TorchBackend(Backend):
             if display:
                 meter.log(parallel.replica_metrics(model.parameters()), step)
             meter.evaluate(step, lambda: evaluate(plain, job))
-            job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, optimizer, scheduler,
+            job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, optimizer, scheduler,  # noqa: B023
                                                                           job, scaler=scaler), suffix=".pt", export=export)
             if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
                 break

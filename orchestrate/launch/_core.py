@@ -18,9 +18,10 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton

@@ -1,8 +1,8 @@
 """A sweep's trials, worked out before anything runs: from the multirun config (composed as Hydra's
 `multirun()` composes it: `orchestrate.config.load_config(..., run_mode=RunMode.MULTIRUN)`), its sweep
-(`hydra.sweeper.params` plus the command line's sweep overrides) expanded as Hydra's BasicSweeper expands it. Used by `orchestrate/cli.py` to check
-every trial's config up front, whatever the launcher, and by the sweep callbacks to list the trials
-a grid sweep never reached."""
+(`hydra.sweeper.params` plus the command line's sweep overrides) expanded as Hydra's BasicSweeper
+expands it. Used by `orchestrate/cli.py` to check every trial's config up front, whatever the
+launcher, and by the sweep callbacks to list the trials a grid sweep never reached."""
 
 import hashlib
 import itertools

@@ -4,8 +4,8 @@ its last evaluation's metrics (on the eval split), so that it is in the Models c
 `mlflow.search_logged_models`, loadable as `models:/<model_id>` with `mlflow.pyfunc.load_model`
 and servable with `mlflow models serve`; with `tracking.register_model=NAME`, a new version of
 NAME (`models:/NAME/latest` is MLflow's name for the newest), and the alias `best` on the version
-whose evaluation is best by `sweep.metric` and `sweep.direction` (`models:/NAME@best`). Logged through the run's client, so that the runner's rank 0 logs
-it as the driver would.
+whose evaluation is best by `sweep.metric` and `sweep.direction` (`models:/NAME@best`).
+Logged through the run's client, so that the runner's rank 0 logs it as the driver would.
 """
 
 import tempfile

@@ -20,9 +20,9 @@ import collections
 import json
 import logging
 import re
+import shutil
 import threading
 import time
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from orchestrate import app, schema
-from orchestrate.config import load_config
 from orchestrate.backends.torch import export_onnx
+from orchestrate.config import load_config
 from tests.conftest import BACKENDS, ROOT, client_for, long, metric_steps
 from tests.helpers import fit_untracked
 
@@ -46,7 +46,8 @@ def trained(request, mlflow_server, tmp_path_factory):
         request.getfixturevalue("ray_shared")
     out = tmp_path_factory.mktemp(request.param)
     cfg = load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
-                           "trainer.checkpoint_period=20", "trainer.evaluation_period=20", "optimizer.lr=0.01", f"tracking.uri={mlflow_server}",
+                           "trainer.checkpoint_period=20", "trainer.evaluation_period=20", "optimizer.lr=0.01",
+                           f"tracking.uri={mlflow_server}",
                            "tracking.experiment=contract"])
     result = app.train(cfg, out)
     return request.param, cfg, result, client_for(mlflow_server)

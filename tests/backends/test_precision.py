@@ -48,6 +48,7 @@ def test_the_runner_trains_in_its_engines_precisions(tmp_path):
     torch_engine = load_config(["backend=runner", "backend.engine=torch", "trainer.precision=bf16", "data=synthetic",
                                 "trainer=quick"])
     Job.prepare(torch_engine, tmp_path)  # accepted: the workers run the PyTorch loop
-    with pytest.raises(ConfigError, match="^trainer.precision=bf16: backend=ondevice trains in fp32; bf16 with backend=compile, torch"):
+    with pytest.raises(ConfigError, match="^trainer.precision=bf16: backend=ondevice trains in fp32; "
+                                                "bf16 with backend=compile, torch"):
         Job.prepare(load_config(["backend=runner", "backend.engine=ondevice", "trainer.precision=bf16",
                                  "data=synthetic", "trainer=quick"]), tmp_path)

@@ -5,9 +5,9 @@ tests/sweeps/test_optuna_sweeper.py::test_the_runners_workers_stop_together_wher
 
 import pytest
 
+from orchestrate import process
 from orchestrate.config import load_config
 from orchestrate.job import Job
-from orchestrate import process
 from tests.backends.test_contract import backend_target
 from tests.conftest import BACKENDS
 from tests.test_meter import StopAt

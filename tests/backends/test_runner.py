@@ -18,9 +18,9 @@ import ray
 import torch
 
 from orchestrate import app, checkpoints, ray_cluster, schema, stack
+from orchestrate.__main__ import main
 from orchestrate.backends.runner import driver
 from orchestrate.config import load_config
-from orchestrate.__main__ import main
 from tests.conftest import ROOT, client_for, long, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, prints_no_cuda_notice, served_twice
 
@@ -258,7 +258,8 @@ def test_ray_trains_preemption_watcher_is_off_on_the_local_ray_only_while_the_ru
     (["backend=runner", "trainer.num_workers=0"], "trainer.num_workers=0: must be at least 1"),
     (["backend=runner", "trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be at least 1"),
     (["backend=torch", "trainer.num_workers=2"], "need backend=runner"),
-    (["backend=runner", "backend.engine=jax"], "backend.engine=jax: no such backend; allowed: compile, ondevice, ortmodule, torch"),
+    (["backend=runner", "backend.engine=jax"],
+     "backend.engine=jax: no such backend; allowed: compile, ondevice, ortmodule, torch"),
     (["backend=runner", "backend.engine=runner"], "backend.engine=runner: the runner cannot run itself"),
     (["backend=runner", "backend.average_every=5"], "backend.average_every needs an engine that averages parameters"),
     (["backend=runner", "backend.placement_strategy=RANDOM"], "allowed: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),

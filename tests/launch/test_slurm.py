@@ -17,8 +17,8 @@ import os
 import re
 import shlex
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, long, metric_steps, sweep_runs as runs_of
+from tests.conftest import ROOT, long, metric_steps
+from tests.conftest import sweep_runs as runs_of
 from tests.helpers import prints_no_cuda_notice
 
 QUICK = ["data=synthetic", "trainer=quick", "trainer.max_steps=20", "model.hidden=[32]"]

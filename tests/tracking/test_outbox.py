@@ -13,7 +13,6 @@ from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE
 from tests.conftest import client_for, metric_steps
 
-
 OUTAGE: dict = {}  # the outage test's server, and the batches at which it goes away and comes back
 
 
@@ -58,7 +57,8 @@ def test_a_server_that_goes_away_mid_run_gets_every_step_exactly_once(make_cfg, 
         with caplog.at_level(logging.WARNING, logger="orchestrate"):
             result = app.train(make_cfg("data._target_=tests.tracking.test_outbox.OutageData", "trainer.max_steps=200",
                                         "trainer.display_loss_steps=1", "trainer.evaluation_period=50",
-                                        "trainer.checkpoint_period=50", "trainer.max_num_checkpoints=1", uri=first.uri), tmp_path / "out")
+                                        "trainer.checkpoint_period=50", "trainer.max_num_checkpoints=1",
+                                        uri=first.uri), tmp_path / "out")
         client = client_for(first.uri)
         run = client.get_run(result.run_id)
         assert run.info.status == "FINISHED"

@@ -7,8 +7,15 @@ import sys
 import time
 
 from orchestrate.tracking.run import Run, which_run
-from orchestrate.tracking.stores import (EXPERIMENT_KIND, new_sqlite_store, open_ui, reachable, runs_pages,
-                                       training_experiment, ui_command)
+from orchestrate.tracking.stores import (
+    EXPERIMENT_KIND,
+    new_sqlite_store,
+    open_ui,
+    reachable,
+    runs_pages,
+    training_experiment,
+    ui_command,
+)
 from tests.conftest import client_for
 
 
