@@ -60,7 +60,7 @@ ui:
 server: setup
 	$(BIN)/python -m orchestrate server $(ARGS)
 
-# The README's pictures of the MLflow UI (docs/mlflow_*.png): a backend sweep, then headless Chromium
+# The MLflow UI pictures of docs/tracking.md (docs/mlflow_*.png): a backend sweep, then headless Chromium
 # (Debian's `chromium`) driven by Playwright (the `docs` extra).
 screenshots: setup
 	$(BIN)/pip install -q -c $(ROOT)constraints.txt -e '$(ROOT)[test,docs]'

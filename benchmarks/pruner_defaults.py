@@ -33,9 +33,9 @@ EVERY = 25  # the curves' evaluation period: replays evaluate at any multiple of
 ORDERS = 20  # seeded orders per sweep, beside the order its trials ran in
 SLOTS = 2  # trials at once (the Ray launcher on 2 cores)
 
-# Every shipped sweep that can prune: Optuna's sweeper with a search (lr_search is the README's
-# pruning command), with the keys it searches. Its own settings; the curve run evaluates every
-# EVERY steps and prunes nothing.
+# Every shipped sweep that can prune: Optuna's sweeper with a search (lr_search is the guide's
+# pruning command, docs/sweeps.md), with the keys it searches. Its own settings; the curve run
+# evaluates every EVERY steps and prunes nothing.
 SHIPPED = {"lr_search": (["+experiment=lr_search", "+sweep"], ["optimizer.lr", "trainer.batch_size"])}
 
 # Candidates: hydra/sweeper/pruner=NAME with these settings (the group's defaults for the rest;

@@ -1,15 +1,16 @@
-"""The README's timing claims, measured: each command as the README shows it, in a fresh folder,
+"""The guide's timing claims, measured: each command as the guide shows it, in a fresh folder,
 median of --repeats, on this machine. Writes docs/readme-timings.md (the table, the machine, the
-date) and puts the same rounded figures into the README's sentences that state them, so that a
-change that moves a figure moves the README with it (tests/test_readme.py keeps the two equal).
+date) and puts the same rounded figures into the guide's sentences that state them (in README.md
+or a docs/ page: tests/guide.py's pages, wherever the sentence now stands), so that a change that
+moves a figure moves the guide with it (tests/test_readme.py keeps the two equal).
 
     python benchmarks/readme_timings.py               # 3 repeats each
     python benchmarks/readme_timings.py --repeats 1 --no-write   # print only
 
-Claims (README sentence -> command):
-  default   "the default experiment (...) takes about N seconds"  python -m orchestrate
-  doctor    "orchestrate doctor ... (about N seconds on C cores)"   python -m orchestrate doctor
-  no_smoke  "orchestrate doctor --no-smoke ...: about N seconds"    python -m orchestrate doctor --no-smoke
+Claims (the guide's sentence, where it stands now -> command):
+  default   "the default experiment (...) takes about N seconds" (README.md)     python -m orchestrate
+  doctor    "orchestrate doctor ... (about N seconds on C cores)" (docs/doctor.md) python -m orchestrate doctor
+  no_smoke  "orchestrate doctor --no-smoke ...: about N seconds" (docs/doctor.md) python -m orchestrate doctor --no-smoke
 """
 
 import argparse
@@ -25,13 +26,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README, TABLE = ROOT / "README.md", ROOT / "docs" / "readme-timings.md"
+sys.path.insert(0, str(ROOT))
+from tests import guide  # noqa: E402  (the guide's pages: README.md, then docs/*.md)
+
+TABLE = ROOT / "docs" / "readme-timings.md"
 COMMANDS = {
     "default": [sys.executable, "-m", "orchestrate"],
     "doctor": [sys.executable, "-m", "orchestrate", "doctor"],
     "no_smoke": [sys.executable, "-m", "orchestrate", "doctor", "--no-smoke"],
 }
-# Each claim's sentence in the README, its figure as group 1.
+# Each claim's sentence in the guide, its figure as group 1.
 CLAIMS = {
     "default": r"steps\) takes about (\d+) seconds",
     "doctor": r"smoke runs included \(about (\d+) seconds on \d+ cores\)",
@@ -58,15 +62,27 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()}"
 
 
-def read_claims(readme: str) -> dict[str, int]:
-    """The README's figures, by claim; a SystemExit naming a sentence that is missing."""
+def read_claims(text: str) -> dict[str, int]:
+    """The figures `text` (the guide's: `guide.text()`) states, by claim; a SystemExit naming a
+    sentence that is missing."""
     found = {}
     for name, pattern in CLAIMS.items():
-        match = re.search(pattern, readme)
+        match = re.search(pattern, text)
         if match is None:
-            raise SystemExit(f"README.md no longer says /{pattern}/: update CLAIMS in {__file__}")
+            raise SystemExit(f"the guide (README.md, docs/*.md) no longer says /{pattern}/: "
+                             f"update CLAIMS in {__file__}")
         found[name] = int(match.group(1))
     return found
+
+
+def write_claim(name: str, rounded: int) -> None:
+    """Put `rounded` into the first of the guide's pages that states claim `name`."""
+    for page in guide.pages():
+        text = page.read_text()
+        if re.search(CLAIMS[name], text):
+            page.write_text(re.sub(CLAIMS[name], lambda m: m.group(0).replace(m.group(1), str(rounded)), text,
+                                   count=1))
+            return
 
 
 def read_table(text: str) -> dict[str, int]:
@@ -80,27 +96,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
-    readme = README.read_text()
-    read_claims(readme)  # before minutes of measuring
+    read_claims(guide.text())  # before minutes of measuring
     rows = []
     for name, argv in COMMANDS.items():
         seconds = measure(argv, args.repeats)
         rows.append((name, " ".join(["python", *argv[1:]]), seconds, round(seconds)))
         print(f"{name}: {seconds:.1f} s", flush=True)
-    table = "\n".join(["| claim | command | median (s) | README says (s) |", "|---|---|---|---|",
+    table = "\n".join(["| claim | command | median (s) | the guide says (s) |", "|---|---|---|---|",
                        *[f"| {n} | `{c}` | {s:.1f} | {r} |" for n, c, s, r in rows]])
     print(table)
     if args.no_write:
         return
     TABLE.write_text(
-        "# The README's timings\n\n"
+        "# The guide's timings\n\n"
         f"Measured by `python benchmarks/readme_timings.py` (median of {args.repeats}, each command in a fresh "
-        f"folder, cold: no warm stack) on {machine()}, {datetime.date.today().isoformat()}. The README states "
-        "the rounded figures; this script writes both, and tests/test_readme.py keeps them equal.\n\n"
+        f"folder, cold: no warm stack) on {machine()}, {datetime.date.today().isoformat()}. The guide (README.md, "
+        "docs/doctor.md) states the rounded figures; this script writes both, and tests/test_readme.py keeps them "
+        "equal.\n\n"
         f"{table}\n")
     for name, _, _, rounded in rows:
-        readme = re.sub(CLAIMS[name], lambda m: m.group(0).replace(m.group(1), str(rounded)), readme, count=1)  # noqa: B023
-    README.write_text(readme)
+        write_claim(name, rounded)
 
 
 if __name__ == "__main__":

@@ -161,8 +161,8 @@ def report_cost(reports: int, gaps: list[float]) -> None:
         import ray.train
         import torch
 
+        from orchestrate.backends.runner.collective import Workers
         from orchestrate.backends.runner.report import Reporter
-        from orchestrate.backends.runner.sync import Workers
 
         context = ray.train.get_context()
         reporter = Reporter(Workers(context.get_world_rank(), context.get_world_size(), torch.device("cpu")))

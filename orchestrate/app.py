@@ -6,7 +6,9 @@
 """
 
 import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ class Checked:
     stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
     experiments: dict[tuple[str, str], str | None] = field(default_factory=dict)  # `deleted_experiment`'s answers
     models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
+    built: dict[Any, Any] = field(default_factory=dict)  # what backends' checks built, by their key (Job.built)
 
 
 def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
@@ -70,7 +73,7 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
     before anything is written or run: the tracking store answers, the job builds (data, model,
     backend: Job.prepare, every setting against its declared range), `trainer.resume` resolves
     (which only reads the store). The command line checks a run with it (and the run takes the job
-    over: `keep`), and every trial of a sweep. Checks of many configs share `checked`: each
+    over: `handing_over`), and every trial of a sweep. Checks of many configs share `checked`: each
     tracking URI is asked once, and a model is built and run once per distinct model, data and seed."""
     shared = checked is not None
     checked = checked or Checked()
@@ -79,7 +82,8 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
         checked.stores[uri] = reachable(uri)
     if checked.stores[uri]:
         raise schema.ConfigError(checked.stores[uri])
-    job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None)
+    job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None,
+                      built=checked.built if shared else None)
     experiment = (uri, cfg.tracking.experiment)
     if experiment not in checked.experiments:  # MLflow would refuse the run only once it opens
         checked.experiments[experiment] = deleted_experiment(*experiment)
@@ -89,24 +93,37 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
     return job
 
 
-# The job a command checked, for its run to take over (`train`): by config, taken once.
-_KEPT: dict[str, Job] = {}
+# The job a command checked, handed to the run of the same config inside `handing_over`'s block
+# (Hydra calls the run: it cannot take the job as an argument).
+_HANDED: contextvars.ContextVar[tuple[str, Job] | None] = contextvars.ContextVar("handed", default=None)
 
 
-def keep(cfg: DictConfig | None, job: Job | None = None) -> None:
-    """Hand `job` (checked for `cfg`) to the run of the same config in this process; `keep(None)`
-    drops a job no run took (the command stopped before its run)."""
-    _KEPT.clear()
-    if cfg is not None:
-        _KEPT[OmegaConf.to_yaml(cfg)] = job
+@contextlib.contextmanager
+def handing_over(cfg: DictConfig | None, job: Job | None) -> Iterator[None]:
+    """Within the block, the run of `cfg` in this process takes `job` (checked for it) over
+    instead of building and checking it again; afterwards nothing of it is kept."""
+    token = _HANDED.set((OmegaConf.to_yaml(cfg), job) if cfg is not None and job is not None else None)
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)
+
+
+def handed_job(cfg: DictConfig) -> Job | None:
+    """The job handed over for `cfg` (`handing_over`), taken once; None if none was."""
+    handed = _HANDED.get()
+    if handed is None or handed[0] != OmegaConf.to_yaml(cfg):
+        return None
+    _HANDED.set(None)
+    return handed[1]
 
 
 def train(cfg: DictConfig, out_dir: Path) -> Result:
     """Train once as `cfg` says; the MLflow run holds everything the run produced. The process
     is left as it was found (thread counts, environment: orchestrate.process)."""
-    kept = _KEPT.pop(OmegaConf.to_yaml(cfg), None)  # the job the command checked, if it checked this config
+    handed = handed_job(cfg)  # the job the command checked, if it checked this config
     # ConfigError here: nothing has been written anywhere yet.
-    job = kept.moved_to(cfg, out_dir) if kept is not None else Job.prepare(cfg, out_dir)
+    job = handed.moved_to(cfg, out_dir) if handed is not None else Job.prepare(cfg, out_dir)
     job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,

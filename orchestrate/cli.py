@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from orchestrate import app, errors, schema
@@ -116,12 +116,13 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
 
 def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
              trial: str = "", compose: Composer | None = None, checked: app.Checked | None = None,
-             head_start: bool = False) -> None:
+             head_start: bool = False) -> tuple[DictConfig, app.Job] | None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
     of a sweep); a sweep's trials share a `compose` (Composer) and what `checked` keeps.
-    `head_start`: the run's own command, whose backend may begin what it needs meanwhile."""
+    `head_start`: the run's own command, whose backend may begin what it needs meanwhile; its
+    config and checked job are returned, for the run to take over (`app.handing_over`)."""
     try:
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
@@ -131,7 +132,7 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
             with app.head_start(cfg) if head_start else contextlib.nullcontext(), searching(source):
                 job = app.check(cfg, checked)
             if head_start:  # the run's own command: the run takes the job over instead of building it again
-                app.keep(cfg, job)
+                return cfg, job
     except schema.ConfigError as e:
         fail(f"{trial}{e}")
     except COMPOSITION_ERRORS as e:
@@ -174,7 +175,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     try:
         cfg = load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
-        plan.check_sweeper(cfg)
+        check_sweeper(cfg)
     except schema.ConfigError as e:
         fail(str(e))
     except COMPOSITION_ERRORS as e:
@@ -197,6 +198,19 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
               f"trial(s), each drawn from: {' '.join(plan.search_space(cfg))}; every choice and both ends of "
               "every interval were checked; nothing ran", flush=True)
         sys.exit(0)
+
+
+def check_sweeper(cfg) -> None:
+    """The asynchronous Optuna sweeper's own settings, checked with the trials: before the sweep's
+    MLflow run opens (Hydra opens it before it sets the sweeper up)."""
+    from orchestrate.sweeps.pruning import SWEEPER
+
+    if OmegaConf.select(cfg, "hydra.sweeper._target_") != SWEEPER:
+        return
+    from orchestrate.sweeps import _optuna
+
+    _optuna.check(OmegaConf.select(cfg, "hydra.sweeper.direction"), OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
+                  str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
 
 
 def is_hydra(word: str) -> bool:
@@ -325,19 +339,21 @@ def main() -> None:
     argv = rewrite_sweep_words(sys.argv[1:], source)
     flags, overrides = split_args(argv)
     multirun = any(f in MULTIRUN_FLAGS for f in flags)
+    handed = None  # the single run's config and checked job, which the run takes over
     if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
         if multirun:
             validate_sweep(flags, overrides, source)
         else:
             check_sweep_choice(overrides)
-            validate(overrides, source, hydra_words(flags), head_start=True)
+            handed = validate(overrides, source, hydra_words(flags), head_start=True)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
     sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
     interrupted = False
     try:
-        with errors.hydra_raising():  # what Hydra would print as a traceback: one line here
+        # What Hydra would print as a traceback: one line here.
+        with errors.hydra_raising(), app.handing_over(*(handed or (None, None))):
             app.hydra_main()
     except schema.ConfigError as e:  # a sweeper's own setting, refused before its sweep ran
         fail(str(e))
@@ -356,7 +372,6 @@ def main() -> None:
               "the sweep", file=sys.stderr, flush=True)
         sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
-        app.keep(None)  # the checked job, if Hydra stopped before its run took it
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.

@@ -326,8 +326,8 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
         # In the scratch folder: MLflow puts a SQLite store's artifacts in ./mlruns. Checked as the
         # command line checks a run (app.check), which then trains the job it checked.
         with output_to(log), contextlib.chdir(scratch):
-            app.keep(cfg, app.check(cfg))
-            result = app.train(cfg, scratch / name)
+            with app.handing_over(cfg, app.check(cfg)):
+                result = app.train(cfg, scratch / name)
     except BaseException as e:  # a smoke run's failure is this check's result, whatever it is
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -361,7 +361,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest  # the rest: Hydra overrides of the config checked and the smoke runs' configs
 
 
-# Where ORT training stands upstream, said once beside the ORT checks (README, "Backend notes").
+# Where ORT training stands upstream, said once beside the ORT checks (docs/configuration.md, "Backend notes").
 UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-09) is its last release, for Python "
             "up to 3.11; ORTModule is deprecated there (microsoft/onnxruntime #24905), the on-device training API and "
             "onnxblock remain; backend=compile (torch.compile) is PyTorch's own alternative, measured beside them")

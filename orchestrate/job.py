@@ -5,6 +5,7 @@ process unless the runner's workers say otherwise)."""
 
 import dataclasses
 import inspect
+import math
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -16,9 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, losses, ort, schema
-from orchestrate.backends.base import Parallel, backends
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.meter import Meter
+from orchestrate.parallel import Parallel
 from orchestrate.tasks import loader
 from orchestrate.tasks.data import DataSet
 
@@ -198,49 +199,67 @@ class Job:
     # job its command checked (`moved_to`) starts from them, as if it had built the model itself.
     rng_after_build: dict | None = None
     ray: str | None = None  # how the run got its Ray (orchestrate.ray_cluster.how): warm, cold, cluster; None: none
+    # What the checks built that the run reuses instead of building it again, by the backend's
+    # own key (the on-device training artifacts: OnDeviceBackend.check_gradients).
+    built: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,
-                parallel: Parallel | None = None) -> "Job":
-        """Build everything from the config and refuse bad input (schema.ConfigError), before
-        any compute; nothing is written. `parallel`: the data-parallel context the loop runs in
-        (the runner's workers give theirs; one process by default), which also sets the device,
-        who logs and the samples a step counts. `models`: for checks only (app.check), models
-        already built and run on their data, by config, reused instead of built again (the job is
-        not run: a grid over the learning rate builds its model once)."""
-        schema.check(cfg)
+                parallel: Parallel | None = None, built: dict | None = None) -> "Job":
+        """`build`, then `check`: the job of `cfg`, every refusal (schema.ConfigError) before any
+        compute; nothing is written. `models`: for checks only (app.check), models already built
+        and run on their data, by config, reused instead of built again (the job is not run: a grid
+        over the learning rate builds its model once); `built`: what the backends' checks built, shared
+        the same way (the on-device artifacts of one model and backend setting, built once)."""
+        schema.check(cfg)  # every setting against its declared range, before anything is built
+        key = model_key(cfg) if models is not None else None
+        job = cls.build(cfg, out_dir, parallel=parallel, model=models.get(key) if key is not None else None)
+        if built is not None:
+            job.built = built
+        job.check(model_checked=key is not None and key in models)
+        if key is not None:
+            models[key] = job.model
+        return job
+
+    @classmethod
+    def build(cls, cfg: DictConfig, out_dir: Path | str, parallel: Parallel | None = None,
+              model: torch.nn.Module | None = None) -> "Job":
+        """The objects `cfg` describes, built and nothing checked: the backend, the data (once per
+        process) and the model (from the seed: every backend starts from the same weights), or
+        `model` when one built from the same config is handed in. `parallel`: the data-parallel
+        context the loop runs in (the runner's workers give theirs; one process by default), which
+        also sets the device, who logs and the samples a step counts. The runner's workers build
+        their job with this alone: the driver checked the config."""
         ort.load()  # before anything imports it: what its import prints goes to the log
         backend = schema.build(cfg.backend, "backend")
         data = build_data(cfg.data)
-        check_lengths(data)
-        key = model_key(cfg) if models is not None else None
-        rng_after_build = None  # kept for a job built on its own (not from the checks' shared models)
-        if key is not None and key in models:
-            model = models[key]
-        else:
-            # Same seed right before building the model: every backend starts from the same weights.
+        rng_after_build = None
+        if model is None:
             seed_everything(cfg.trainer.seed)
             model = schema.build(cfg.model, "model")
-            if key is None:
-                rng_after_build = checkpoints.rng_state()
-            # Both would otherwise fail only inside the loop, after the MLflow run has opened.
-            check_forward(model, data, cfg)
-            if key is not None:
-                models[key] = model
-        check_optimizer(cfg.optimizer, model)  # before the Job, which reads optimizer.lr
-        job = cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
-                  parallel=parallel or Parallel(), rng_after_build=rng_after_build)
-        backend.check_precision(job)
-        backend.check_workers(job)
-        if cfg.trainer.resume and not backend.resumable:
-            raise schema.ConfigError(f"trainer.resume={cfg.trainer.resume}: backend={backend.name} cannot load its "
-                                     f"checkpoints to continue; allowed with backend={', '.join(backends('resumable'))}")
-        backend.check(job)
+            rng_after_build = checkpoints.rng_state()
+        return cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
+                   parallel=parallel or Parallel(), rng_after_build=rng_after_build)
+
+    def check(self, model_checked: bool = False) -> None:
+        """Refuse what would fail only inside the loop, after the MLflow run opened
+        (schema.ConfigError): the data's lengths, the model's forward and the loss on the data's
+        sample batch (not again for a model already run on its data: `model_checked`), the
+        optimizer's arguments, then the backend's own checks, which may keep on the job what the
+        run can reuse (`Job.built`: the on-device artifacts)."""
+        cfg, backend = self.cfg, self.backend
+        check_lengths(self.data)
+        if not model_checked:
+            check_forward(self.model, self.data, cfg)
+        check_optimizer(cfg.optimizer, self.model)
+        backend.check_precision(self)
+        backend.check_workers(self)
+        backend.check_resume(self)
+        backend.check(self)
         try:
-            job.train_batch(1)  # the data set can serve this batch size
+            self.train_batch(1)  # the data set can serve this batch size
         except ValueError as e:
             raise schema.ConfigError(str(e)) from None
-        return job
 
     def moved_to(self, cfg: DictConfig, out_dir: Path | str) -> "Job":
         """This checked job for the run of `cfg` (the same config, as the run composed it),
@@ -254,7 +273,10 @@ class Job:
         # Plain objects, not DictConfig: an OmegaConf attribute read costs microseconds, and the
         # loop reads these settings several times a step.
         self.trainer: schema.TrainerConf = OmegaConf.to_object(self.cfg.trainer)
-        self.lr = float(self.cfg.optimizer.lr)
+        try:
+            self.lr = float(self.cfg.optimizer.lr)
+        except (TypeError, ValueError):  # not a number: `check` refuses it, in the optimizer's own words
+            self.lr = math.nan
         self.device = self.parallel.device or torch.device(self.trainer.device.value)
         self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints",
                                        log_to_tracker=self.cfg.tracking.log_checkpoints, writer=self.parallel.logging,

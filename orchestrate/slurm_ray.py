@@ -62,7 +62,7 @@ class Allocation:
         env = os.environ
         if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
             raise SlurmRayError("not inside a Slurm allocation (SLURM_JOB_ID and SLURM_JOB_NODELIST are not set): "
-                                "run it as the body of an sbatch script (README: \"On a Slurm allocation\")")
+                                "run it as the body of an sbatch script (docs/runner.md: \"On a Slurm allocation\")")
         for program in ("srun", "scontrol"):
             if shutil.which(program) is None:
                 raise SlurmRayError(f"{program}: not found on PATH (Slurm's client commands are needed)")

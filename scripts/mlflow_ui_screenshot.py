@@ -1,6 +1,6 @@
-"""The README's pictures of the MLflow UI, taken in a real headless browser against a real `mlflow ui`:
-a backend sweep is run (`+experiment=backend_shootout +sweep`, shortened), then the experiment's runs
-page and the compare view of its trials are saved to docs/.
+"""The guide's pictures of the MLflow UI (docs/tracking.md), taken in a real headless browser against
+a real `mlflow ui`: a backend sweep is run (`+experiment=backend_shootout +sweep`, shortened), then
+the experiment's runs page and the compare view of its trials are saved to docs/.
 
     make screenshots            # or: .venv/bin/python scripts/mlflow_ui_screenshot.py [--steps 100]
 

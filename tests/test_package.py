@@ -1,7 +1,7 @@
 """The package as pyproject.toml ships it: this checkout's wheel installed into a fresh venv
 (tests/conftest.py: installed_wheel), run from an empty folder, far from the checkout. Training
 from the wheel, with `python -m orchestrate` and with the `orchestrate` console script, on every
-backend and from a user's own config folder, is what tests/test_readme.py runs: the README's
+backend and from a user's own config folder, is what tests/test_readme.py runs: the guide's
 commands, with this same environment."""
 
 import subprocess

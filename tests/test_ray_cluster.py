@@ -1,6 +1,6 @@
 """What Ray prints on the driver that says nothing to act on (orchestrate.ray_cluster): lines its
 own processes relay that RAY_NOISE names are skipped by Ray's log deduplicator, through the
-variable Ray reads when it is imported; the variable is put back afterwards. And the README's
+variable Ray reads when it is imported; the variable is put back afterwards. And the guide's
 step that makes a Ray token: the file it leaves is its owner's alone."""
 
 import json
@@ -44,9 +44,10 @@ def test_ray_noise_is_skipped_on_the_driver_and_the_variable_put_back(users):
 
 @pytest.mark.slow
 def test_the_readmes_token_step_writes_a_file_only_its_owner_reads(tmp_path):
-    """`(umask 077; ray get-auth-token --generate)`, the README's step, writes ~/.ray/auth_token
-    with mode 0600; under the usual umask 022 Ray writes it 0644, `chmod 600` makes it private, and
-    a token generated again into it keeps that mode. Offline: the token is made on this machine."""
+    """`(umask 077; ray get-auth-token --generate)`, the guide's step (docs/runner.md), writes
+    ~/.ray/auth_token with mode 0600; under the usual umask 022 Ray writes it 0644, `chmod 600`
+    makes it private, and a token generated again into it keeps that mode. Offline: the token is
+    made on this machine."""
     ray = Path(sys.executable).with_name("ray")
 
     def generate(home: Path, umask: str) -> int:

@@ -1,9 +1,9 @@
 """Ray job submission, as a user of a Ray cluster sends work to it: through the head's job API
-(`ray.job_submission.JobSubmissionClient`, and the README's `ray job submit` command).
+(`ray.job_submission.JobSubmissionClient`, and the guide's `ray job submit` command, docs/runner.md).
 
 One head on 127.0.0.1 (`tests.helpers.loopback_cluster`: token authentication on, job submission
 on its dashboard port) serves the whole module, and its jobs run side by side: a sweep submitted
-from Python (shipping this checkout as its working directory), and the README's command, which
+from Python (shipping this checkout as its working directory), and the guide's command, which
 submits a two-worker runner job, run while the sweep is in flight.
 """
 
@@ -29,7 +29,7 @@ JOBS = {
     "sweep": "python -m orchestrate -m backend=torch optimizer.lr=1e-3,1e-2 {tiny} tracking.uri={uri} "
              "tracking.experiment=ray_job_sweep",
 }
-# CPUs the jobs take at once: the sweep's two trials (one CPU each) and the README command's runner
+# CPUs the jobs take at once: the sweep's two trials (one CPU each) and the guide command's runner
 # (two workers). Job drivers themselves ask for none.
 CPUS = 4
 JOB_TIMEOUT_S = 400
@@ -117,8 +117,9 @@ def test_the_head_refuses_a_client_without_its_token(head, client, submitted, tm
 
 
 def test_ray_job_submit_runs_the_runner_on_a_cluster(head, submitted, mlflow_server, tmp_path):
-    """The README's `ray job submit` command against the head (its placeholders filled in), with
-    RAY_AUTH_MODE=token as the README exports it; the Python-submitted jobs run beside it."""
+    """The guide's `ray job submit` command (docs/runner.md) against the head (its placeholders
+    filled in), with RAY_AUTH_MODE=token as the guide exports it; the Python-submitted jobs run
+    beside it."""
     address, _, env = head
     (command, exported), = [(c, e) for c, e in bash_commands() if c.startswith("ray job submit")]
     shared = tmp_path / "shared"

@@ -1,16 +1,18 @@
-"""The README is a contract: every command in it runs as written and does what the text next to it
-says. Its fenced `bash` blocks and its bad-input examples (`$ command` then the `error:` line) are
-read from README.md; each command has an entry in EXPECTED below (what to check, and the extra
-overrides that keep it short where the text allows: fewer steps, fewer Optuna trials). A command
-added to the README without an entry here, or an entry whose command left the README, fails
-`test_every_readme_command_is_checked`.
+"""The README and the guide's pages are a contract: every command in them runs as written and does
+what the text next to it says. Their fenced `bash` blocks and their bad-input examples (`$ command`
+then the `error:` line) are read from README.md and every docs/*.md page (tests/guide.py: a page
+added to docs/ is read with no list to edit); each command has an entry in EXPECTED below (what to
+check, and the extra overrides that keep it short where the text allows: fewer steps, fewer Optuna
+trials). A command added to the guide without an entry here, or an entry whose command left the
+guide, fails `test_every_readme_command_is_checked`; `test_the_guide_s_pages_and_links_hold`
+checks that the README links every page and that every relative link of the guide resolves.
 
 Commands run from a fresh temporary folder with the installed wheel's environment active
 (`python`, `orchestrate`: the `installed_wheel` fixture), as a user who installed orchestrate would
 run them; the "Your own project" commands run in the project the README's file blocks spell out.
 Placeholders are filled in: HEAD (a Ray head on 127.0.0.1), MLFLOW_HOST:5000 (a tracking server on
 127.0.0.1), /shared (a temporary folder). The Slurm commands (a sweep on `submitit_slurm`, the
-runner's sbatch script) run on a one-node Slurm cluster in tests/launch/test_slurm.py.
+runner's sbatch script, docs/runner.md) run on a one-node Slurm cluster in tests/launch/test_slurm.py.
 """
 
 import importlib
@@ -31,17 +33,19 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests import guide
 from tests.conftest import ROOT, long, sweep_runs
 
-README = (ROOT / "README.md").read_text()
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 # 20 steps, the loss logged every 5 (so that a test sees it fall), no progress bar.
 SHORT = ("trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false")
 
 
 def blocks(language: str) -> list[str]:
-    """The bodies of the README's fenced blocks in `language` ("" for plain ``` blocks)."""
-    found = re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", README, re.S | re.M)  # list items indent theirs
+    """The bodies of the guide's fenced blocks in `language` ("" for plain ``` blocks), page by
+    page (tests/guide.py: README.md, then docs/*.md)."""
+    found = [block for text in guide.texts()  # list items indent theirs
+             for block in re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", text, re.S | re.M)]
     return [textwrap.dedent(body) for lang, body in found if lang == language]
 
 
@@ -61,7 +65,7 @@ def bash_commands() -> list[tuple[str, dict[str, str]]]:
 
 
 def bad_input_examples() -> list[tuple[str, str]]:
-    """(command, the error line the README shows) from its plain ``` blocks of `$ ` lines."""
+    """(command, the error line the guide shows) from its plain ``` blocks of `$ ` lines."""
     found = []
     for block in blocks(""):
         lines = block.splitlines()
@@ -85,7 +89,7 @@ def project_files() -> dict[str, str]:
 
 @dataclass
 class Expect:
-    """What the README's text promises for a command, and how to run it here."""
+    """What the guide's text promises for a command, and how to run it here."""
 
     extra: tuple[str, ...] = SHORT  # appended to the command: a short run where the text allows
     where: str = "empty"  # empty: a new empty folder; project: the README's my_project/
@@ -100,10 +104,10 @@ class Expect:
     separate: str = ""  # the test of its own that runs it (it needs a server or a cluster beside it): its
     # name in this module, or path::name in another (one that shares its cluster with other tests)
     long: str = ""  # runs in `make test-long` only: what shows its feature in CI's tier (a test, by
-    # path::name, or another README command that takes the same path)
+    # path::name, or another guide command that takes the same path)
 
 
-# ---- what the README's sweep section says of its commands, beyond runs and tags -------------------
+# ---- what the sweeps page (docs/sweeps.md) says of its commands, beyond runs and tags -------------
 
 def default_grid_with_nested_runs(folder: Path, printed: str) -> None:
     """`+sweep` with no experiment: the default grid (lr_grid), one child run per trial under one
@@ -272,7 +276,7 @@ EXPECTED: dict[str, Expect] = {
     "trainer.num_workers=2 backend.placement_strategy=SPREAD tracking.uri=http://MLFLOW_HOST:5000 "
     "backend.storage_path=/shared/ray trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/run1": Expect(
         separate="tests/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
-    # ---- the runner on a Slurm allocation: the README's sbatch script, submitted to a Slurm cluster
+    # ---- the runner on a Slurm allocation: docs/runner.md's sbatch script, submitted to a Slurm cluster
     **{command: Expect(separate="tests/launch/test_slurm.py::test_the_runner_on_a_slurm_allocation") for command in (
         "source .venv/bin/activate",
         "exec python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 backend.storage_path=/shared/ray "
@@ -290,7 +294,7 @@ EXPECTED: dict[str, Expect] = {
 
 def test_every_readme_command_is_checked():
     commands = [c for c, _ in bash_commands()]
-    assert sorted(set(commands)) == sorted(EXPECTED), "README.md and EXPECTED disagree"
+    assert sorted(set(commands)) == sorted(EXPECTED), "the guide (README.md, docs/*.md) and EXPECTED disagree"
     assert all(separate_test_exists(e.separate) for e in EXPECTED.values() if e.separate)
     # A command left to `make test-long` names what shows its path in CI: a test, or a command that runs there.
     assert all(separate_test_exists(e.long) if "::" in e.long else e.long in RUNNABLE and not EXPECTED[e.long].long
@@ -298,6 +302,34 @@ def test_every_readme_command_is_checked():
     assert set(project_files()) >= {"my_project/models.py", "my_project/conf/model/my_net.yaml",
                                     "my_project/conf/data/my_data.yaml"}
     assert len(bad_input_examples()) >= 3
+
+
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)
+
+
+def anchors(text: str) -> set[str]:
+    """The `#anchor`s of a markdown text's headings, as GitHub makes them: lower case, punctuation
+    but `-` and `_` dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCED.sub("", text), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_guide_s_pages_and_links_hold():
+    """The README links every docs/*.md page (its "Read more"), and every relative link of the
+    guide (README.md, docs/*.md; images included) names a file that exists and, with `#anchor`, a
+    heading of that page: a section moved between pages leaves no link behind."""
+    readme = (ROOT / "README.md").read_text()
+    assert [p.name for p in guide.pages()[1:] if f"](docs/{p.name})" not in readme] == []
+    broken = []
+    for page, text in zip(guide.pages(), guide.texts(), strict=True):
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCED.sub("", text)):  # a link in a code block is code
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file.read_text())):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
 
 
 def separate_test_exists(name: str) -> bool:
@@ -341,7 +373,7 @@ def warm_env(installed_wheel, tmp_path_factory) -> Iterator[dict[str, str]]:
     """The installed wheel's environment with a warm stack up (`orchestrate up`, as the README's
     quick start says, from a folder of its own, with the wheel's interpreter: Ray's workers import
     orchestrate from the wheel too), sized for CONCURRENT commands; `orchestrate down` at the end.
-    The README's commands join its Ray head by themselves (each has its own folder and store, so
+    The guide's commands join its Ray head by themselves (each has its own folder and store, so
     a sweep still starts its own MLflow server); test_stack.py shows the stack itself, cold
     commands are shown everywhere else."""
     env = {**installed_wheel.env, "ORCHESTRATE_STATE_DIR": str(tmp_path_factory.mktemp("readme_state"))}
@@ -355,7 +387,7 @@ def warm_env(installed_wheel, tmp_path_factory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def ran(warm_env, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Every runnable README command, run CONCURRENT at a time, warm (`warm_env`): they are
+    """Every runnable command of the guide, run CONCURRENT at a time, warm (`warm_env`): they are
     independent (each in its own folder, with its own MLflow store), and most of a short command's
     time is start-up and waiting. Command -> (its folder, its result)."""
 
@@ -378,7 +410,7 @@ def ran(warm_env, tmp_path_factory, request) -> dict[str, tuple[Path, subprocess
 
 CONCURRENT = 4
 # The commands that place work on the warm head (a sweep's trials, the runner's workers) ask for
-# at most 4 CPUs each (the README's sweeps have at most 4 trials, its runners 2 workers): ON_RAY
+# at most 4 CPUs each (the guide's sweeps have at most 4 trials, its runners 2 workers): ON_RAY
 # of them at a time fit its 2 * CONCURRENT CPUs. More would not, and a sweep that finds every CPU
 # taken waits hydra.launcher.placement_timeout_s (60 s) and stops, as it would for a user whose
 # other sweep holds the head (its message says so; test_runner shows it). The rest run beside them.
@@ -430,7 +462,7 @@ def test_the_bad_input_examples_print_what_the_readme_shows(command, shown, inst
     done = run(command, tmp_path, installed_wheel.env)
     assert done.returncode == 2
     printed = done.stderr.strip()
-    # The README shortens long lists with "...": what it shows must be the start of the line.
+    # The guide shortens long lists with "...": what it shows must be the start of the line.
     assert printed.startswith(shown.removesuffix("...").rstrip()), (printed, shown)
     assert len(printed.splitlines()) == 1 and done.stdout.strip() == ""
     assert list(tmp_path.iterdir()) == []
@@ -456,11 +488,12 @@ def test_make_ui_serves_the_runs(installed_wheel, tmp_path):
 
 
 def test_the_readme_s_timings_are_the_measured_ones():
-    """The README's "about N seconds" figures are those benchmarks/readme_timings.py measured and
-    wrote to docs/readme-timings.md (the script writes both: a figure moved in one moves in both)."""
+    """The guide's "about N seconds" figures (README.md, docs/doctor.md) are those
+    benchmarks/readme_timings.py measured and wrote to docs/readme-timings.md (the script writes
+    both: a figure moved in one moves in both)."""
     spec = importlib.util.spec_from_file_location("readme_timings", ROOT / "benchmarks" / "readme_timings.py")
     timings = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timings)
     measured = timings.read_table((ROOT / "docs" / "readme-timings.md").read_text())
     assert set(measured) == set(timings.COMMANDS)
-    assert timings.read_claims((ROOT / "README.md").read_text()) == measured
+    assert timings.read_claims(guide.text()) == measured

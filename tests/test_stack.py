@@ -58,7 +58,7 @@ def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
 
 @pytest.mark.slow
 def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm):
-    """(A runner's worker group joining the warm head: the README's runner commands, which
+    """(A runner's worker group joining the warm head: the guide's runner commands, which
     tests/test_readme.py runs warm.)"""
     folder, state, _ = warm
     short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]

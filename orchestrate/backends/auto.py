@@ -44,12 +44,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, errors, process, schema
-from orchestrate.backends.base import Backend, Parallel, backend_configs
+from orchestrate.backends.base import Backend, backend_configs
 from orchestrate.job import Job
 from orchestrate.meter import Diverged
+from orchestrate.parallel import Parallel
 from orchestrate.schema import ABOVE_0, AT_LEAST_1, ConfigError
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class AutoBackend(Backend):
         # `found`'s answers, by flags: `check` and `fit` both ask (composing a backend file costs
         # about 0.07 s), and the candidates a run was checked with are those it probes.
         self._found: dict[tuple[str, ...], dict[str, DictConfig]] = {}
+        # `check_candidates`' answers, by candidate: (its probe config as YAML, the checked probe
+        # job or the refusal's line). The probes of `choose` take them: each candidate is built once.
+        self._checked: dict[str, tuple[str, Job | str]] = {}
 
     def check_precision(self, job) -> None:
         """Nothing here: each candidate checks trainer.precision as its probe is built
@@ -125,7 +129,10 @@ class AutoBackend(Backend):
         """Before any run opens: ConfigError when every candidate refuses the config (each is
         built as its probe builds it). The RNG is left as it was: each build seeds it."""
         with rng_kept():
-            reasons = {name: refusal(self.probe_config(job.cfg, node)) for name, node in found.items()}
+            for name, node in found.items():
+                cfg = self.probe_config(job.cfg, node)
+                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg))
+        reasons = {name: self._checked[name][1] if isinstance(self._checked[name][1], str) else None for name in found}
         if all(reasons.values()):
             raise none_takes(what, reasons)
 
@@ -149,7 +156,10 @@ class AutoBackend(Backend):
                                                       f"longer than {cheapest.name}'s whole run "
                                                       f"({cheapest.run_s(after_warmup):.2f} s)"))
                     continue
-                probes.append(probe(name, self.probe_config(job.cfg, found[name]), cheapest, after_warmup))
+                cfg = self.probe_config(job.cfg, found[name])
+                checked, checked_job = self._checked.pop(name, (None, None))
+                probes.append(probe(name, cfg, cheapest, after_warmup,
+                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None))
         choice = judge(probes, self.reference, self.tolerance, what, after_warmup)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
@@ -249,24 +259,28 @@ def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_ste
     return probe
 
 
-def refusal(cfg: DictConfig) -> str | None:
-    """Why the probe config's backend refuses it (its ConfigError's line), or None."""
+def checked_probe(cfg: DictConfig) -> Job | str:
+    """The probe config's job, built and checked as its probe runs it, or why its backend
+    refuses it (its ConfigError's line)."""
     try:
-        Job.prepare(cfg, out_dir="unused", parallel=Aside())
+        return Job.prepare(cfg, out_dir="unused", parallel=Aside())
     except ConfigError as e:
         return str(e)
-    return None
 
 
-def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0) -> Probe:
+def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0,
+          checked: Job | str | None = None) -> Probe:
     """Train the probe config `cfg` aside and measure it; stopped early once its run (warm-up and
     `after_warmup` steps) costs more than `cheapest`'s (the cheapest probe that finished before
-    it). The process is left as found
+    it). `checked`: `checked_probe`'s answer for `cfg`, taken over instead of building the job
+    again (None: built and checked here). The process is left as found
     (orchestrate.process.kept: thread counts, environment, ORT's logging); nothing stays on disk."""
     result = Probe(name)
     with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept():
         try:
-            job = Job.prepare(cfg, folder, parallel=Aside())
+            if isinstance(checked, str):
+                raise ConfigError(checked)
+            job = checked.moved_to(cfg, folder) if checked is not None else Job.prepare(cfg, folder, parallel=Aside())
         except ConfigError as e:
             result.verdict = f"refused: {e}"
             return result

@@ -13,6 +13,7 @@ import fnmatch
 import inspect
 import math
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,6 @@ from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, show
 OPTIMIZERS = {torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
               torch.optim.SGD: ("lr", "momentum", "weight_decay")}
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
-# The settings whose artifacts built in this process (`check_gradients`): the command line's check
-# and the run's own Job.prepare build the same graphs, so the second one is skipped.
-_GRADIENTS_BUILT: set[str] = set()
 
 
 def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
@@ -208,23 +206,20 @@ class OnDeviceBackend(Backend):
         ReduceMax from amax, InstanceNormalization from GroupNorm), and its artifact builder
         would otherwise stop inside the run. ORT publishes no list of the ops it can differentiate,
         so the check is the build itself, the same one `fit` runs: it cannot disagree with it.
-        Costs one more build per run (measured on 2 busy cores: 0.08 s for the digits MLP, about
-        0.6 s for char_transformer); the imports it does first are no longer paid in `fit`."""
+        The run reuses what the check built (`fit`), so the check costs no second build."""
         import onnxruntime
-        from omegaconf import OmegaConf
 
-        # Everything the graphs are built from: the model and data configs, this backend's
-        # settings and the optimizer (its block).
-        key = OmegaConf.to_yaml({k: job.cfg[k] for k in ("model", "data", "backend", "optimizer")}, resolve=True)
-        if key in _GRADIENTS_BUILT:
+        key = self.artifacts_key(job)
+        if key in job.built:  # built by an earlier check of the same settings (a sweep's trials)
             return
         # ORT's output as in `fit` (the console from backend.log_level up), put back afterwards:
-        # no run is open yet.
-        with process.kept(), tempfile.TemporaryDirectory() as folder:
+        # no run is open yet. The artifacts stay with the job (`Job.built`): its run reuses them.
+        built = tempfile.TemporaryDirectory(prefix="ort_artifacts_checked_")
+        with process.kept():
             ort.quiet(self.log_level)
             try:
                 with ort.stderr_logged():
-                    self.generate_artifacts(job, Path(folder))
+                    self.generate_artifacts(job, Path(built.name))
             except torch.onnx.errors.OnnxExporterError as e:  # an operator ONNX lacks at this opset
                 raise ConfigError(f"model ({job.cfg.model._target_}) cannot be exported at backend.opset={self.opset}: "
                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
@@ -236,7 +231,15 @@ class OnDeviceBackend(Backend):
                                   f"{onnxruntime.__version__} has no gradient for the ONNX op {found[1]} (node "
                                   f"{found[2]} of the exported model); allowed: a model without it, or backend=torch"
                                   ) from None
-        _GRADIENTS_BUILT.add(key)
+        job.built[key] = built
+
+    def artifacts_key(self, job) -> tuple[str, str]:
+        """Everything the graphs are built from: the model and data configs, this backend's
+        settings and the optimizer (its block)."""
+        from omegaconf import OmegaConf
+
+        return "ondevice_artifacts", OmegaConf.to_yaml({k: job.cfg[k] for k in ("model", "data", "backend", "optimizer")},
+                                                      resolve=True)
 
     def generate_artifacts(self, job, folder: Path) -> None:
         """Export the model and build the training, eval and optimizer graphs plus the initial
@@ -302,7 +305,7 @@ class OnDeviceBackend(Backend):
     def train(self, job, folder: Path) -> None:
         """The loop. On the runner's workers (`job.parallel`) gradients are all-reduced before each
         optimizer step, or the parameters averaged every `average_every` updates after it
-        (`GradientSync`); rank 0 alone evaluates and saves. A resumed run (`job.resume_state`)
+        (`Averaging`); rank 0 alone evaluates and saves. A resumed run (`job.resume_state`)
         starts from its checkpoint's CheckpointState instead of the initial one."""
         ort.quiet(self.log_level)  # ORT's output below backend.log_level: the run's log file only
         from onnxruntime import set_seed
@@ -312,7 +315,12 @@ class OnDeviceBackend(Backend):
         # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
         # settings: its lines go through logging (the log file; the console from backend.log_level).
         with ort.stderr_logged():
-            self.generate_artifacts(job, folder)
+            checked = job.built.pop(self.artifacts_key(job), None)  # the check's build, of this very model
+            if checked is not None:
+                with checked:
+                    shutil.copytree(checked.name, folder, dirs_exist_ok=True)
+            else:
+                self.generate_artifacts(job, folder)
             options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions,
                                           self.log_level)
             # The parameters generate_artifacts started from, or the resumed run's. An Optimizer
@@ -334,7 +342,7 @@ class OnDeviceBackend(Backend):
         scheduler = (LinearLRScheduler(optimizer, t.max_steps, t.warmup_steps, job.lr)
                      if t.lr_schedule == LRSchedule.linear else None)
         K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
-        sync = GradientSync(job)
+        sync = Averaging(job)
         # ORT's Dropout draws from one process-wide generator, whose position no checkpoint holds;
         # set_seed restarts it. Seeded from (seed, step) at every step, a step draws the same masks
         # in a resumed run as in one that never stopped (and in any two runs). A graph that draws
@@ -427,7 +435,7 @@ class OnDeviceBackend(Backend):
             return CheckpointState.load_checkpoint(str(path))
 
 
-class GradientSync:
+class Averaging:
     """The on-device engine's data parallelism across the runner's workers, around each optimizer
     step. ORT's gradient buffers are read and written in place through
     `state.parameters[name].grad` (a live view on the CPU: undocumented, and pinned by the

@@ -213,7 +213,7 @@ def direction_of(value: Any) -> str:
 
 def check(direction, n_jobs: int | None, launcher: str) -> None:
     """The sweeper's own settings (`launcher`: the launcher's class path), refused in one line:
-    by the command line's up-front check (orchestrate.sweeps.plan.check_sweeper), before the
+    by the command line's up-front check (orchestrate.cli.check_sweeper), before the
     sweep's MLflow run opens, and by the sweeper's setup for any other Hydra app."""
     direction = direction_of(direction)
     if direction not in ("minimize", "maximize"):

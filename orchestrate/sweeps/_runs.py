@@ -17,8 +17,8 @@ from orchestrate import plots, ray_cluster, stack
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan
 from orchestrate.sweeps._server import own_server
-from orchestrate.sweeps.callbacks import Handover
 from orchestrate.sweeps.slurm import is_slurm
+from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
 from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
 
@@ -54,17 +54,17 @@ def parent_name(name: str, config: DictConfig) -> str:
     return f"sweep-{','.join(varied)}" if varied else "sweep-none"
 
 
-def open_trial(handover: Handover, config: DictConfig) -> str:
+def open_trial(parent: ParentRun, config: DictConfig) -> str:
     """The run a job logs into: a new child of the parent, or (resuming) the trial's FINISHED
     child from an earlier attempt, which the app then skips."""
-    name = trial_name(list(config.hydra.overrides.task), handover.command)
-    if name in handover.finished:
-        return handover.finished[name]
+    name = trial_name(list(config.hydra.overrides.task), parent.command)
+    if name in parent.finished:
+        return parent.finished[name]
     from mlflow.tracking.context.registry import resolve_tags  # MLflow's own: user, source, git commit
 
-    run = MlflowClient(tracking_uri=handover.uri).create_run(
-        handover.experiment_id, run_name=name,
-        tags=resolve_tags({PARENT_KEY: handover.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
+    run = MlflowClient(tracking_uri=parent.uri).create_run(
+        parent.experiment_id, run_name=name,
+        tags=resolve_tags({PARENT_KEY: parent.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
                            "orchestrate.role": "trial"}))
     return run.info.run_id
 
@@ -148,8 +148,8 @@ class Sweep:
         # A grid's trials are known now: the summary lists the ones the sweep never reached.
         self.planned = plan.trials(config) if plan.is_grid(config) else []
 
-    def handover(self) -> Handover:
-        return Handover(uri=self.uri, experiment_id=self.experiment_id, parent_run_id=self.run_id,
+    def parent(self) -> ParentRun:
+        return ParentRun(uri=self.uri, experiment_id=self.experiment_id, parent_run_id=self.run_id,
                         command=self.fixed, finished=dict(self.finished))
 
     def children(self) -> list:

@@ -5,10 +5,10 @@ it on under `hydra.callbacks.sweep_tracking`; a single run is not touched by it.
 Where each hook runs (hydra/_internal/hydra.py `multirun()`, hydra/core/utils.py `run_job()`):
 - `on_multirun_start`, in the launching process before the sweeper starts: start the MLflow server
   in front of a SQLite store, open the parent run (or find it again by the sweep's key), and keep
-  what every job needs in `self.handover`.
+  what every job needs in `self.parent`.
 - `on_job_start` / `on_job_end`, where the job runs: in the launching process (basic launcher), a
   Ray worker (orchestrate's launcher) or a subprocess (submitit). Launchers hand `run_job` the
-  HydraContext that holds this object, pickled for a remote job, so `self.handover` travels with it.
+  HydraContext that holds this object, pickled for a remote job, so `self.parent` travels with it.
   The job's child run reaches the app through MLflow's own variables `MLFLOW_RUN_ID` and
   `MLFLOW_TRACKING_URI` (see orchestrate.tracking.handover), set for the job and taken back after it.
 - `on_multirun_end`, in the launching process: the summary, the parent closed, the server stopped.
@@ -21,27 +21,17 @@ work is in `_runs`, `_summary` and `_server`, imported when a sweep needs them.
 """
 
 import atexit
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.settings import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
 
 _OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
-
-
-@dataclass
-class Handover:
-    """What a job needs to log as a trial of its sweep; pickled with the callback to remote jobs."""
-
-    uri: str  # the store the trials write to (the sweep's server in front of SQLite)
-    experiment_id: str
-    parent_run_id: str
-    command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
-    finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
 
 
 @dataclass
@@ -65,7 +55,7 @@ class SweepTracking(Callback):
         self.resume = resume  # the same sweep again: same parent run, its FINISHED trials skipped
         self.tracking_server = tracking_server  # SQLite store: one local `mlflow server` takes every trial's writes
         self.tie_tolerance = tie_tolerance  # best values closer than this (relative) are a tie
-        self.handover: Handover | None = None  # None: no sweep is tracked (a single run, a dry run)
+        self.parent: ParentRun | None = None  # None: no sweep is tracked (a single run, a dry run)
         self._job: _Job | None = None
         self._sweep = None  # _runs.Sweep: the server process and clients stay in the launching process
 
@@ -83,18 +73,18 @@ class SweepTracking(Callback):
             # Hydra would only warn and run every trial untracked, each a top-level run: stop here.
             raise SystemExit(f"error: the sweep's MLflow tracking could not start: {type(e).__name__}: {e}") from e
         _OPEN.append(self)
-        self.handover = self._sweep.handover()
+        self.parent = self._sweep.parent()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.handover is None:
+        if self.parent is None:
             return
         from orchestrate.sweeps import _runs
 
-        run_id = _runs.open_trial(self.handover, config)
+        run_id = _runs.open_trial(self.parent, config)
         # ONE_LOGGING_THREAD: many trials' logging threads against one server stay within its pool.
         # MLFLOW_TRACKING_URI is the sweep's server for the trial's MLflow client; its config's
         # tracking.uri (by default read from MLFLOW_TRACKING_URI) stays the store the sweep was given.
-        before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.handover.uri,
+        before = set_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": self.parent.uri,
                           "ORCHESTRATE_TRACKING_URI": self.tracking_uri, **ONE_LOGGING_THREAD,
                           **NO_RUN_LINKS})
         self._job = _Job(run_id, before)
@@ -107,7 +97,7 @@ class SweepTracking(Callback):
             from orchestrate.sweeps import _runs
 
             failed = job_return._return_value if job_return.status == JobStatus.FAILED else None
-            _runs.close_trial(self.handover.uri, job.run_id, failed)
+            _runs.close_trial(self.parent.uri, job.run_id, failed)
         finally:
             self._restore()
 

@@ -79,19 +79,6 @@ def is_grid(cfg: DictConfig) -> bool:
     return OmegaConf.select(cfg, "hydra.sweeper._target_") in GRID_SWEEPERS
 
 
-def check_sweeper(cfg: DictConfig) -> None:
-    """The asynchronous Optuna sweeper's own settings, checked with the trials: before the sweep's
-    MLflow run opens (Hydra opens it before it sets the sweeper up)."""
-    from orchestrate.sweeps.pruning import SWEEPER
-
-    if OmegaConf.select(cfg, "hydra.sweeper._target_") != SWEEPER:
-        return
-    from orchestrate.sweeps import _optuna
-
-    _optuna.check(OmegaConf.select(cfg, "hydra.sweeper.direction"), OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
-                  str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
-
-
 def sweep_key(cfg: DictConfig) -> str:
     """Same command line, same sweep definition: same key, hence the same parent run and study on
     a re-run. The launcher is not part of it (a sweep started on Ray can be finished with another),

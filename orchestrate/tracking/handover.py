@@ -6,6 +6,7 @@ the training command (`orchestrate slurm-ray`), which ends it KILLED if the comm
 before it can end it itself (Slurm's SIGKILL after KillWait)."""
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrate.tracking.settings import set_env
@@ -14,6 +15,18 @@ from orchestrate.tracking.settings import set_env
 RUN_FILE_VARIABLE = "ORCHESTRATE_RUN_FILE"
 # The wrapper's requests when it ends a run left open: the job is ending (Slurm's KillWait).
 WRAPPER_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+
+
+@dataclass
+class ParentRun:
+    """A sweep's parent run, as a trial's job needs it to log its own run beside it (the sweep callbacks
+    open the trial's run and hand it over); pickled with the callback to remote jobs."""
+
+    uri: str  # the store the trials write to (the sweep's server in front of SQLite)
+    experiment_id: str
+    parent_run_id: str
+    command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
+    finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
 
 
 def interrupted(cause: str) -> str:

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -417,3 +418,42 @@ def upload(client, run_id: str, artifact: Artifact) -> None:
         client.log_artifact(run_id, str(path), artifact.artifact_path)
     else:
         log.warning(f"{path} was not uploaded to MLflow while the server was away, and is gone now")
+
+
+SENT_SUFFIX = ".sent"
+
+
+def send_unsent(client, path: Path, by_run: dict[str, list] | None = None) -> int:
+    """Send the rows of an unsent file (`path`; `by_run`: read already) through `client`, batch by
+    batch, then rename it `*.sent`; returns how many items went out. Any error of the client
+    propagates: the file stays."""
+    from mlflow.entities import Metric, RunTag
+
+    by_run = read_unsent(path) if by_run is None else by_run
+    for run_id, items in by_run.items():
+        metrics = [i for i in items if isinstance(i, Metric)]
+        tags = [i for i in items if isinstance(i, RunTag)]
+        for start in range(0, len(metrics), MAX_METRICS):
+            client.log_batch(run_id, metrics=metrics[start:start + MAX_METRICS], synchronous=True)
+        for start in range(0, len(tags), MAX_TAGS):
+            client.log_batch(run_id, tags=tags[start:start + MAX_TAGS], synchronous=True)
+        for artifact in (i for i in items if isinstance(i, Artifact)):
+            upload(client, run_id, artifact)
+        for model in (i for i in items if isinstance(i, Model)):  # the trained model, as the run would have
+            send_model(client, run_id, model)
+        for end in (i for i in items if isinstance(i, RunEnd)):  # last: the run ends once all of it is in
+            client.set_terminated(run_id, end.status, end.end_time)
+    path.rename(path.with_name(path.name + SENT_SUFFIX))
+    return sum(len(items) for items in by_run.values())
+
+
+def send_model(client, run_id: str, model: Model) -> None:
+    """The run's trained model as its LoggedModel (orchestrate.tracking.models), registered if the
+    run was to register it; a registry that refuses does not make the model be logged twice."""
+    from orchestrate.tracking import models
+
+    try:
+        models.log_model(client, run_id, Path(model.path), model.sample, model.step, model.register, model.name,
+                         model.evaluation, model.eval_dataset)
+    except models.NotRegistered as e:
+        print(f"warning: {e}", file=sys.stderr, flush=True)

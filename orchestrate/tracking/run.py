@@ -29,7 +29,7 @@ from orchestrate.tracking.environment import installed_packages, run_tags
 from orchestrate.tracking.handover import handed_over_run, interrupted, tell_wrapper
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.models import NotRegistered
-from orchestrate.tracking.outbox import UNSENT_FILE, cause
+from orchestrate.tracking.outbox import UNSENT_FILE, cause, send_unsent
 from orchestrate.tracking.params import flatten
 from orchestrate.tracking.resume import ResumePoint, close_orphans, find_resume
 from orchestrate.tracking.settings import quick_http, set_env
@@ -143,8 +143,6 @@ class Run(RunLogger):
         work), before this attempt logs: its steps then count as logged."""
         if not path.is_file():
             return
-        from orchestrate.sync import send_unsent
-
         try:
             print(f"sent {send_unsent(self.client, path)} item(s) that the run's last attempt could not ({path})",
                   flush=True)

@@ -209,8 +209,8 @@ RAY_LINES = ("Token authentication", "Requesting resources", "Attempting to star
 @pytest.mark.slow
 def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest(warm_stack, tmp_path,
                                                                                    tmp_path_factory):
-    """The README's runner command on the on-device engine, typed as a user types it (a local
-    Ray of its own): the console has rank 0's lines and the summary, none of RAY_LINES and not
+    """The guide's runner command on the on-device engine (docs/runner.md), typed as a user types
+    it (a local Ray of its own): the console has rank 0's lines and the summary, none of RAY_LINES and not
     torch's "No CUDA runtime is found"; the worker's log has Ray Train's checkpoint lines and the
     notice (where this machine prints it). It runs cold beside the session's warm head (two Ray
     instances on one machine, as a user's own `ray start` would make): Ray Train's cleaner asks its

@@ -1,11 +1,11 @@
 """Slurm, tried for real: the session's one-node Slurm 22.05 cluster on 127.0.0.1 (`slurm_cluster`,
 tests/slurm.py; accounting off, as on most small clusters) and the session's MLflow server.
 
-- The README's `submitit_slurm` sweep, as written but for what this cluster has (partition, sizes,
-  no GPU, the server's address), run from a folder that holds `.venv` as the README's setup line
-  expects: every trial a Slurm job, the runs on the server, the summary last and readable.
+- The guide's `submitit_slurm` sweep (docs/sweeps.md), as written but for what this cluster has
+  (partition, sizes, no GPU, the server's address), run from a folder that holds `.venv` as its
+  setup line expects: every trial a Slurm job, the runs on the server, the summary last and readable.
 - `scancel` of a running trial: its run KILLED, the other trial FINISHED, the sweep's summary.
-- The README's sbatch script for the runner (`orchestrate slurm-ray`) on a 2-task allocation: Ray
+- The guide's sbatch script for the runner (docs/runner.md, `orchestrate slurm-ray`) on a 2-task allocation: Ray
   across the allocation, one worker per task, the run FINISHED; cancelled with `scancel` while it
   trains: the run KILLED, Ray stopped. Outside an allocation: one line, exit code 2.
 
@@ -30,7 +30,7 @@ from tests.test_readme import blocks
 
 SWEEP_TIMEOUT_S = 600
 JOB_TIMEOUT_S = 400
-# The README's sweep, on this cluster: its one partition, one CPU and 1 GB a trial, no GPU.
+# The guide's sweep, on this cluster: its one partition, one CPU and 1 GB a trial, no GPU.
 ON_THIS_CLUSTER = {
     "hydra.launcher.partition=P": "hydra.launcher.partition={partition}",
     "hydra.launcher.timeout_min=120": "hydra.launcher.timeout_min=10",
@@ -43,8 +43,8 @@ QUICK = ("backend=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=
 
 
 def readme_sweep(partition: str, uri: str) -> list[str]:
-    """The README's submitit_slurm command with ON_THIS_CLUSTER's replacements (each must find its
-    word: the README's command keeps its shape), `python` being this checkout's."""
+    """The guide's submitit_slurm command (docs/sweeps.md) with ON_THIS_CLUSTER's replacements (each
+    must find its word: the guide's command keeps its shape), `python` being this checkout's."""
     (block,) = [b for b in blocks("bash") if "hydra/launcher=submitit_slurm" in b]
     words = shlex.split(block.replace("\\\n", " "), comments=True)  # as the shell reads it: quotes kept together
     assert set(ON_THIS_CLUSTER) <= set(words), words
@@ -54,7 +54,7 @@ def readme_sweep(partition: str, uri: str) -> list[str]:
 
 
 def user_folder(tmp_path: Path) -> Path:
-    """A folder as the README's commands expect one: `.venv` in it (here, this checkout's)."""
+    """A folder as the guide's commands expect one: `.venv` in it (here, this checkout's)."""
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
     return tmp_path
 
@@ -179,9 +179,9 @@ def wait_until_training(cluster, uri: str, experiment: str, trial: str) -> str:
 # ---- the runner on a Slurm allocation --------------------------------------------------------------
 
 def submit_readme_script(cluster, uri: str, folder: Path, experiment: str, *overrides: str) -> str:
-    """The README's runner.sbatch, its placeholders filled in and `overrides` appended (they win),
-    submitted as the README's `sbatch runner.sbatch` sized for this one node: two tasks of one CPU.
-    Returns the job id."""
+    """The guide's runner.sbatch (docs/runner.md), its placeholders filled in and `overrides` appended
+    (they win), submitted as its `sbatch runner.sbatch` says, sized for this one node: two tasks of
+    one CPU. Returns the job id."""
     (script,) = [b for b in blocks("bash") if "# runner.sbatch" in b]
     assert script.rstrip().splitlines()[-1].strip().startswith("trainer.checkpoint_period=100")
     script = (script.replace("MLFLOW_HOST:5000", uri.removeprefix("http://")).replace("/shared", str(folder / "shared"))

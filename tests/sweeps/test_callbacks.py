@@ -16,7 +16,8 @@ from omegaconf import open_dict
 
 from orchestrate.config import load_config
 from orchestrate.sweeps import _summary, callbacks
-from orchestrate.sweeps.callbacks import Handover, SweepTracking
+from orchestrate.sweeps.callbacks import SweepTracking
+from orchestrate.tracking.handover import ParentRun
 from tests.conftest import multirun_config
 
 MLFLOW_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "ORCHESTRATE_TRACKING_URI", "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE",
@@ -44,14 +45,14 @@ def test_the_summary_ranks_by_the_sweeps_direction(overrides, lower):
 def test_the_callback_reaches_a_remote_job_with_what_on_multirun_start_set():
     """Launchers pickle the HydraContext (which holds the callbacks) to run a job elsewhere."""
     cb = SweepTracking("sqlite:///mlflow.db", "orchestrate")
-    cb.handover = Handover(uri="http://127.0.0.1:5001", experiment_id="1", parent_run_id="p", command=["a=1"],
+    cb.parent = ParentRun(uri="http://127.0.0.1:5001", experiment_id="1", parent_run_id="p", command=["a=1"],
                            finished={"b=2": "r"})
     cb._sweep = threading.Lock()  # the launching process's server and clients: not picklable, not needed
     hooks = Callbacks()
     hooks.callbacks.append(cb)
     remote = cloudpickle.loads(cloudpickle.dumps(HydraContext(config_loader=None, callbacks=hooks)))
     (copy,) = remote.callbacks.callbacks
-    assert copy.handover == cb.handover and copy._sweep is None
+    assert copy.parent == cb.parent and copy._sweep is None
 
 
 def test_a_single_run_is_not_touched(monkeypatch):
@@ -62,7 +63,7 @@ def test_a_single_run_is_not_touched(monkeypatch):
     cb.on_job_start(cfg, task_function=None)
     cb.on_job_end(cfg, JobReturn(status=JobStatus.COMPLETED))
     cb.on_run_end(cfg)
-    assert dict(os.environ) == before and cb.handover is None
+    assert dict(os.environ) == before and cb.parent is None
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def parent(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     experiment_id = client.create_experiment("e")
     run_id = client.create_run(experiment_id, run_name="sweep-x").info.run_id
-    return client, Handover(uri=uri, experiment_id=experiment_id, parent_run_id=run_id, command=["backend=torch"])
+    return client, ParentRun(uri=uri, experiment_id=experiment_id, parent_run_id=run_id, command=["backend=torch"])
 
 
 def job_config(*overrides: str, num: int):
@@ -87,7 +88,7 @@ def test_a_job_gets_a_nested_child_run_and_its_environment_back(parent, monkeypa
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     before = {k: os.environ.get(k) for k in MLFLOW_VARIABLES}
     cb = SweepTracking(handover.uri, "e")
-    cb.handover = handover
+    cb.parent = handover
     cfg = job_config("backend=torch", "optimizer.lr=0.5", num=3)
     cb.on_job_start(cfg, task_function=None)
     child = client.get_run(os.environ["MLFLOW_RUN_ID"])
@@ -108,7 +109,7 @@ def test_a_resumed_sweep_hands_a_finished_trial_its_old_run(parent):
     client, handover = parent
     handover.finished = {"optimizer.lr=0.5": "0123"}
     cb = SweepTracking(handover.uri, "e")
-    cb.handover = handover
+    cb.parent = handover
     cb.on_job_start(job_config("backend=torch", "optimizer.lr=0.5", num=0), task_function=None)
     try:
         assert os.environ["MLFLOW_RUN_ID"] == "0123"

@@ -14,7 +14,7 @@ backward, AllReduce, optimizer step, schedule step).
 
 Engines (`backend.engine`) are backends too: the name of a conf/backend file whose backend can run
 on the workers (`data_parallel`), built from that file and run with the workers' data-parallel
-context (`sync.Workers`):
+context (`collective.Workers`):
   ortmodule  DDP(ORTModule(model)), ORT's recipe for distributed ORTModule (the default)
   torch      plain DDP
   ondevice   ORT's on-device training API on each worker; its gradient buffers are all-reduced
@@ -100,11 +100,6 @@ def train_environment() -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def remember_engine(name: str, node: dict) -> None:
-    """A worker gets the engine's config from the driver: no second composition there."""
-    _ENGINES[name] = node
-
-
 def engines(*flags: str) -> list[str]:
     """The backends that can run on the runner's workers (`data_parallel`) and set `flags` too."""
     return backends("data_parallel", *flags)
@@ -140,8 +135,11 @@ class RunnerBackend(Backend):
         return self.sized(engine_config(self.engine))
 
     def engine_backend(self) -> Backend:
-        """The engine, built from its config as each worker builds it."""
-        return schema.build(self.engine_node(), "backend.engine")
+        """The engine, built from its config as each worker builds it; once per runner: `check`
+        and `fit` share it (backend.engine=auto: the candidates it checked are those it probes)."""
+        if self.__dict__.get("_engine") is None:
+            self._engine = schema.build(self.engine_node(), "backend.engine")
+        return self._engine
 
     def engine_candidates(self, auto) -> dict[str, DictConfig]:
         """backend.engine=auto: the engines it may choose (those that run on the workers; with

@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from orchestrate.backends.runner.sync import Workers
+from orchestrate.backends.runner.collective import Workers
 
 # The name a reported checkpoint has inside Ray's copy, whatever the engine's format (its
 # `load_checkpoint` reads it back).

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from orchestrate.backends.runner.collective import Workers
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
-from orchestrate.backends.runner.sync import Workers
 from orchestrate.meter import Diverged
 
 SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last report
@@ -59,21 +59,20 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     from omegaconf import OmegaConf
 
     from orchestrate import schema
-    from orchestrate.backends.runner.driver import remember_engine
     from orchestrate.job import Job
     from orchestrate.tracking.logger import RunLogger
     from orchestrate.tracking.settings import ONE_LOGGING_THREAD
 
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
-    remember_engine(cfg.backend.engine, config["engine"])
     torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
     os.environ.update(ONE_LOGGING_THREAD)
     if rank != 0:
         cfg.trainer.progress = False
     device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
     parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas)
-    # Built once, for this rank (the same seed: the same initial weights on every rank).
-    job = Job.prepare(cfg, Path(config["out_dir"]), parallel=parallel)
+    # Built once, for this rank (the same seed: the same initial weights on every rank), with the
+    # engine the driver chose and sized; nothing is checked again: the driver checked the config.
+    job = Job.build(cfg, Path(config["out_dir"]), parallel=parallel)
     engine = schema.build(OmegaConf.create(config["engine"]), "backend.engine")
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
     if engine.resumable:

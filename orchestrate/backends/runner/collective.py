@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from orchestrate.backends.base import Parallel
 from orchestrate.meter import nonfinite
+from orchestrate.parallel import Parallel
 
 
 class Workers(Parallel):

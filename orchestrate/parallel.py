@@ -1,0 +1,52 @@
+"""The data-parallel context a backend's loop runs in: one process and no other workers unless
+the runner's workers replace it (orchestrate.backends.runner.collective.Workers). A leaf: the job and
+every loop use it, and it imports nothing of orchestrate but the meter's non-finite test."""
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from orchestrate.meter import nonfinite
+
+
+class Parallel:
+    """One process and no other workers: the context a loop runs in unless the runner's workers
+    replace it (`orchestrate.backends.runner.collective.Workers`, which all-reduces across ranks).
+    Loops call these hooks unconditionally; alone, each one does nothing."""
+
+    rank = 0
+    world_size = 1
+    device: torch.device | None = None  # None: trainer.device
+    logging = True  # this process logs, evaluates and checkpoints (rank 0)
+    average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the loop trains it (DDP across workers)."""
+        return model
+
+    def accumulating(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward: no gradient AllReduce until the `last`."""
+        return contextlib.nullcontext()
+
+    def all_reduce_(self, flat: torch.Tensor) -> None:
+        """Sum `flat` across workers, in place."""
+
+    def replica_metrics(self, params: Iterable[torch.Tensor]) -> dict[str, float]:
+        """At display steps: how far apart the workers' parameters are (nothing to compare alone)."""
+        return {}
+
+    def agree(self, flag: bool) -> bool:
+        """True when `flag` is true on every worker: alone, the flag itself."""
+        return flag
+
+    def update_allowed(self, finite: bool, grads: Callable[[], list[torch.Tensor]]) -> bool:
+        """Whether this step's update goes ahead, decided alike on every rank: `finite` is this
+        rank's own loss (and gradient norm); `grads()` the gradients about to be applied. Alone,
+        `finite` itself."""
+        return finite
+
+    def hold(self, loss: torch.Tensor, grads: Callable[[], list[torch.Tensor]]) -> torch.Tensor:
+        """`update_allowed` decided on the device, without waiting for it: a float flag, 1.0 to
+        hold the update (the fused optimizers' `found_inf`). Alone: this step's loss is nan or inf."""
+        return nonfinite(loss)
