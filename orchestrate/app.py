@@ -7,7 +7,6 @@
 
 import contextlib
 import contextvars
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, errors, plots, process, schema, stack
+from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.job import Job
-from orchestrate.meter import Diverged
 from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
 from orchestrate.tracking.handover import finished_run_metrics
@@ -48,7 +47,7 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
-def head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
+def backend_head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
     """The backend's head start (`Backend.head_start`: the runner's Ray) around the check of a
     run's config; a config whose backend does not build gets none (the check says why)."""
     try:
@@ -132,9 +131,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
     with process.kept(), process.stop_on_signals(), job.backend.connect(job):
         # Which MLflow run: a sweep's trial's, the one trainer.resume continues, or a new one.
-        plan = which_run(cfg)
-        if plan.resume is not None:  # its checkpoint loads before the run reopens: a bad one changes nothing
-            resume = plan.resume
+        run_choice = which_run(cfg)
+        if run_choice.resume is not None:  # its checkpoint loads before the run reopens: a bad one changes nothing
+            resume = run_choice.resume
             job.resume_state = checkpoints.load_checked(job.backend, job.model,
                                                         resume.fetch(job.out_dir / "checkpoints"))
             print(f"resuming MLflow run {resume.run_id} after step {resume.step}", flush=True)
@@ -144,10 +143,10 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         elif cfg.trainer.resume == "auto":
             print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
                   flush=True)
-        with Run(cfg, plan, run_name=choices.lower(), tags=tags, out_dir=job.out_dir) as tracker:
+        with Run(cfg, run_choice, run_name=choices.lower(), tags=tags, out_dir=job.out_dir) as tracker:
             job.track(tracker)
             tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:])  # the Dataset column
-            if plan.resume is not None:
+            if run_choice.resume is not None:
                 job.meter.continue_history(tracker.logged_history())
             try:
                 job.backend.fit(job)
@@ -168,7 +167,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             tracker.log_artifact(png)
     result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics,
                     out_dir=job.out_dir, history=job.meter.history)
-    print_summary(cfg, job, result, in_sweep=plan.handed_over is not None)
+    print_summary(cfg, job, result, in_sweep=run_choice.handed_over is not None)
     return result
 
 
@@ -220,19 +219,12 @@ def job_log(hydra_cfg) -> str | None:
     return handler.get("filename")
 
 
-def diverged_message(e: Diverged, folder: Path, resumable: bool = True) -> str:
-    """One line: the step, the run FAILED, the checkpoint kept from before it, what to do next."""
-    if e.step == 1 and e.what == "loss":  # before any update: the learning rate has not acted yet
-        return (f"{e}, before any update; the MLflow run is marked FAILED. The inputs or the model's first forward "
-                "give non-finite values, not the learning rate: check the data set's inputs for nan or inf, "
-                "and the model's forward on them")
-    kept = checkpoints.latest(folder)
-    return (f"{e}; the MLflow run is marked FAILED. "
-            + (f"The last checkpoint before it, {kept}, is kept: the same command with a lower optimizer.lr and "
-               "trainer.resume=auto goes on from it" if kept and resumable else
-               f"The last checkpoint before it, {kept}, is kept; lower optimizer.lr and run again" if kept else
-               "No checkpoint was written before it: lower optimizer.lr and run again")
-            + " (or drop the updates of non-finite steps with trainer.on_nonfinite=skip)")
+def resumable(cfg: DictConfig) -> bool:
+    """Whether the run's backend continues from a checkpoint (what a diverged run is told to do)."""
+    try:
+        return bool(getattr(schema.target_of(cfg.backend, "backend"), "resumable", False))
+    except Exception:  # noqa: BLE001 - a backend that does not build: the check said why
+        return False
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -244,36 +236,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
         print(f"trial {hydra_cfg.job.num} ({','.join(hydra_cfg.overrides.task)}) finished in an earlier attempt: "
               "skipped", flush=True)
         return earlier.get(f"final/{cfg.sweep.metric}")
-    try:
+    # A single run's failure: one line and its exit code (orchestrate.boundary). A sweep's trial
+    # raises on, for its sweeper and launcher to record.
+    where = Where(RUN, out_dir=Path(hydra_cfg.runtime.output_dir), log_file=job_log(hydra_cfg),
+                  resumable=resumable(cfg))
+    with boundary(where) if hydra_cfg.mode == RunMode.RUN else contextlib.nullcontext():
         result = train(cfg, Path(hydra_cfg.runtime.output_dir))
-    except schema.ConfigError as e:
-        if hydra_cfg.mode != RunMode.RUN:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except checkpoints.CheckpointError as e:  # a full disk: one line, not a traceback through torch
-        if hydra_cfg.mode != RunMode.RUN:
-            raise
-        print(f"error: {e}; the MLflow run is marked FAILED", file=sys.stderr)
-        sys.exit(1)
-    except Diverged as e:
-        if hydra_cfg.mode != RunMode.RUN:
-            raise
-        resumable = getattr(schema.target_of(cfg.backend, "backend"), "resumable", False)
-        print(f"error: {diverged_message(e, Path(hydra_cfg.runtime.output_dir) / 'checkpoints', resumable)}",
-              file=sys.stderr)
-        sys.exit(1)
-    except process.Stopped as e:
-        if hydra_cfg.mode != RunMode.RUN:
-            raise
-        print(f"stopped by {e}: the MLflow run is marked KILLED; the same command with trainer.resume=auto "
-              "continues it from its last checkpoint", file=sys.stderr)
-        sys.exit(128 + e.signum)  # as a shell reports a process ended by the signal
-    except Exception as e:  # anything else: one line, the traceback in the run's log (orchestrate.errors)
-        if hydra_cfg.mode != RunMode.RUN:
-            raise
-        run = getattr(e, "orchestrate_run", None)
-        line = errors.one_line(e) + (f"; the MLflow run {run} is marked FAILED" if run else "")
-        errors.report(line, e, job_log(hydra_cfg))
-        sys.exit(1 if run else 2)  # 2: it failed before a run opened (the input, or what it names)
     return result.metrics.get(cfg.sweep.metric)

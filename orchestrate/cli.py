@@ -11,19 +11,14 @@ same way, every trial of it, before any runs, whatever the launcher; and its MLf
 import contextlib
 import io
 import os
-import re
 import sys
-import traceback
-from pathlib import Path
 
-import yaml
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from orchestrate import app, errors, schema
-from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, group_options, load_config, searching
+from orchestrate.boundary import CHECK, COMMAND, Where, boundary
+from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, load_config, searching
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -47,146 +42,45 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def explain(e: Exception, overrides: list[str], source: ConfigSource = ORCHESTRATE) -> str:
-    """One plain sentence for Hydra's and OmegaConf's composition errors."""
-    cause = e
-    while cause.__cause__ is not None and isinstance(cause, ConfigCompositionException):
-        cause = cause.__cause__
-    if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:
-        # A YAML file of the user's own (--config-dir, --config-path): where, and PyYAML's words.
-        mark = cause.problem_mark
-        said = "; ".join(str(p) for p in (cause.context, cause.problem) if p)
-        return f"{errors.shown_path(mark.name)}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({said})"
-    if isinstance(cause, yaml.YAMLError):
-        return f"not valid YAML ({str(cause).splitlines()[0]})"
-    if isinstance(cause, MissingConfigException) and cause.missing_cfg_file:
-        group = cause.missing_cfg_file.rsplit("/", 1)[0]  # hydra/launcher/nope -> hydra/launcher
-        options = cause.options or []
-        chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == group), "?")
-        return f"{group}={chosen}: no such choice; allowed: {', '.join(options)}"
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        key = cause.full_key or cause.key
-        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
-        return f"{key}: unknown key{allowed_keys(parent, source)}"
-    if isinstance(cause, OverrideParseException):
-        bare = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
-        if bare is not None:  # `+experiment`, `backend`: a key without its value
-            options = group_options(bare.lstrip("+"), source)
-            allowed = f"; allowed: {', '.join(f'{bare}={o}' for o in options)}" if options else ""
-            return f"{bare}: an override needs a value (KEY=VALUE, +KEY=VALUE to add, ~KEY to delete){allowed}"
-    if isinstance(cause, ValidationError):
-        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-        return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
-    return str(e).splitlines()[0] + late_header(str(e), source)
-
-
-def late_header(message: str, source: ConfigSource) -> str:
-    """For an error in a config file ("In 'experiment/wine': ...") whose `# @package` line is not
-    its first: Hydra reads that header only at the top of the file (a comment above it, such as
-    the file's path, makes it an ordinary comment, and the file then lands in its group's package)."""
-    named = re.match(r"In '([\w/.-]+)'", message)
-    if not named:
-        return ""
-    for folder in filter(None, (source.config_dir, source.config_path, str(Path(__file__).parent / "conf"))):
-        path = Path(folder) / f"{named.group(1)}.yaml"
-        if path.is_file():
-            lines = path.read_text().splitlines()
-            at = next((i for i, line in enumerate(lines) if line.lstrip("# ").startswith("@package")), None)
-            if at:  # found, and not on the first line
-                return (f"; {errors.shown_path(str(path))}:{at + 1}: `{lines[at].strip()}` must be the file's first "
-                        "line (Hydra reads the header only there)")
-            return ""
-    return ""
-
-
-def allowed_keys(parent: str, source: ConfigSource = ORCHESTRATE) -> str:
-    if not parent:
-        return ""
-    try:
-        node = OmegaConf.select(load_config(source=source), parent)
-        return f"; allowed keys in {parent}: {', '.join(str(k) for k in node)}" if node is not None else ""
-    except Exception:
-        return ""
-
-
-COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException,
-                      OmegaConfBaseException, yaml.YAMLError)
-
-
 def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
              trial: str = "", compose: Composer | None = None, checked: app.Checked | None = None,
-             head_start: bool = False) -> tuple[DictConfig, app.Job] | None:
+             own_run: bool = False) -> tuple[DictConfig, app.Job] | None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
     of a sweep); a sweep's trials share a `compose` (Composer) and what `checked` keeps.
-    `head_start`: the run's own command, whose backend may begin what it needs meanwhile; its
+    `own_run`: the run's own command, whose backend may begin what it needs meanwhile; its
     config and checked job are returned, for the run to take over (`app.handing_over`)."""
-    try:
+    with boundary(Where(CHECK, trial=trial, overrides=overrides, source=source)):
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
             # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
             cfg = compose(overrides) if compose else load_config([*hydra_overrides, *overrides], source)
-            with app.head_start(cfg) if head_start else contextlib.nullcontext(), searching(source):
+            with app.backend_head_start(cfg) if own_run else contextlib.nullcontext(), searching(source):
                 job = app.check(cfg, checked)
-            if head_start:  # the run's own command: the run takes the job over instead of building it again
-                return cfg, job
-    except schema.ConfigError as e:
-        fail(f"{trial}{e}")
-    except COMPOSITION_ERRORS as e:
-        fail(explain(e, overrides, source))
-    except Exception as e:
-        if isinstance(e, (ValueError, TypeError)) and raised_by_hydra(e):  # its defaults list on `backend=[1]`
-            fail(f"{' '.join(overrides)}: a config group's choice must be a name or a list of names "
-                 f"({str(e).splitlines()[0]})")
-        file = file_being_read(e)
-        if file is not None:  # e.g. a user's YAML file that holds one value, not keys and values
-            fail(f"{trial}{errors.shown_path(file)}: not a config of keys and values ({str(e).splitlines()[0]})")
-        # The user's own code (a model, a data set) failed in the up-front check: nothing ran.
-        errors.report(f"{trial}{errors.one_line(e, 'the up-front check')}", e)
-        sys.exit(2)
-
-
-def file_being_read(e: BaseException) -> str | None:
-    """The config file Hydra was reading when `e` was raised (its file source's `load_config`), if any."""
-    found, tb = None, e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "load_config" and "full_path" in tb.tb_frame.f_locals:
-            found = tb.tb_frame.f_locals["full_path"]
-        tb = tb.tb_next
-    return found
-
-
-def raised_by_hydra(e: BaseException) -> bool:
-    """Whether Hydra itself raised `e` (its innermost frame is Hydra's code)."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and f"{os.sep}hydra{os.sep}" in frames[-1].filename
+    # The run's own command: the run takes the job over instead of building it again.
+    return (cfg, job) if own_run else None
 
 
 def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource) -> None:
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
-    from orchestrate.sweeps import headstart, plan
+    from orchestrate.sweeps import plan, prestart
 
     hydra_overrides = hydra_words(flags)
-    try:
+    with boundary(Where(CHECK, overrides=[*hydra_overrides, *overrides], source=source)):
         cfg = load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
         check_sweeper(cfg)
-    except schema.ConfigError as e:
-        fail(str(e))
-    except COMPOSITION_ERRORS as e:
-        fail(explain(e, [*hydra_overrides, *overrides], source))
     if not trials:
         fail(f"{' '.join(overrides) or 'the sweep'}: the sweep has no trials (an empty range or list); "
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
     compose, checked = Composer(source, hydra_overrides), app.Checked()
-    with headstart.head_start(cfg, len(trials)):
+    with prestart.prestart(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                      trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked)
@@ -302,9 +196,9 @@ def rewrite_sweep_words(argv: list[str], source: ConfigSource = ORCHESTRATE) -> 
 def check_flags(argv: list[str]) -> None:
     """Options Hydra's parser does not know (`--nope`) or refuses (`--cfg nope`): one line, not
     argparse's usage text."""
-    from hydra._internal.utils import get_args_parser
+    from orchestrate.thirdparty import hydra_internals
 
-    parser = get_args_parser()
+    parser = hydra_internals().get_args_parser()
 
     def refuse(message: str) -> None:
         raise ValueError(message)
@@ -345,44 +239,28 @@ def main() -> None:
             validate_sweep(flags, overrides, source)
         else:
             check_sweep_choice(overrides)
-            handed = validate(overrides, source, hydra_words(flags), head_start=True)
+            handed = validate(overrides, source, hydra_words(flags), own_run=True)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
     sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
-    interrupted = False
+    where = Where(COMMAND, multirun=multirun)
     try:
-        # What Hydra would print as a traceback: one line here.
-        with errors.hydra_raising(), app.handing_over(*(handed or (None, None))):
+        # What Hydra would print as a traceback: one line here (the boundary's).
+        with boundary(where), errors.hydra_raising(), app.handing_over(*(handed or (None, None))):
             app.hydra_main()
-    except schema.ConfigError as e:  # a sweeper's own setting, refused before its sweep ran
-        fail(str(e))
-    except Exception as e:
-        ran = multirun or getattr(e, "orchestrate_run", None)
-        from orchestrate.sweeps.slurm import ended_without_result
-
-        job_line = ended_without_result(e)  # a Slurm job's end, which submitit spreads over many lines
-        errors.report(f"the sweep: {job_line}" if job_line else errors.one_line(e, "the sweep" if multirun else ""), e)
-        sys.exit(1 if ran else 2)
-    except KeyboardInterrupt:  # Ctrl-C in a sweep (a single run reports its own stop: app.hydra_main)
-        if not multirun:
-            raise
-        interrupted = True
-        print("stopped by Ctrl-C: trials still running are ended and marked KILLED; the same command continues "
-              "the sweep", file=sys.stderr, flush=True)
-        sys.exit(130)  # as a shell reports a process ended by SIGINT
     finally:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.
-            from orchestrate.sweeps import headstart, slurm
+            from orchestrate.sweeps import prestart, slurm
             from orchestrate.sweeps.callbacks import close_open_sweeps
 
             # A Slurm sweep's launcher stops at the first job that ended without a result: the
             # jobs still on the cluster are waited for (cancelled after Ctrl-C) before the summary.
-            slurm.settle(cancel=interrupted)
+            slurm.settle(cancel=isinstance(where.handled, KeyboardInterrupt))
             close_open_sweeps()
-            headstart.release()  # a server started early that no sweep took (Hydra stopped first)
+            prestart.release()  # a server started early that no sweep took (Hydra stopped first)
         # A Ray started early and never taken (Hydra stopped before the launcher or the run asked
         # for it) is shut down here, not torn down mid-start when the process exits.
         from orchestrate import ray_cluster

@@ -93,8 +93,10 @@ def _hydra(source: ConfigSource = ORCHESTRATE) -> Iterator[None]:
     if GlobalHydra.instance().is_initialized():
         yield
         return
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_automatic_config_search_path
+    from orchestrate.thirdparty import hydra_internals
+
+    internals = hydra_internals()
+    Hydra, create_automatic_config_search_path = internals.Hydra, internals.create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.version import setbase
 
@@ -147,7 +149,9 @@ class Composer:
     def __call__(self, overrides: list[str]) -> DictConfig:
         if self.in_full:
             return load_config([*self.hydra_overrides, *overrides], self.source)
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from orchestrate.thirdparty import hydra_internals
+
+        ConfigLoaderImpl = hydra_internals().ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         if self.repo is None:

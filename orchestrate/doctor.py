@@ -369,7 +369,7 @@ UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-
 
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
-    from orchestrate.cli import COMPOSITION_ERRORS, explain
+    from orchestrate.boundary import COMPOSITION_ERRORS, explain
     from orchestrate.config import group_options, load_config
 
     try:

@@ -1,11 +1,7 @@
-"""The error boundary: whatever raises, the console gets one line, `error: ` what failed (the
-user's file and line where the error came from, the step of a run) and the cause, and where the
-full traceback was written: the run's own log when there is a run folder, else a crash file in the
-temporary folder (as npm and rustc keep theirs). `HYDRA_FULL_ERROR=1` prints the traceback too.
-
-Exit codes: 2 when the input was wrong and nothing ran (a config, a user's YAML, a model or data
-set that cannot be built: the up-front check), 1 for a run that failed (its MLflow run FAILED,
-with the same line in its `error` tag).
+"""What the error boundary (orchestrate.boundary) says and keeps: one line, `error: ` what failed
+(the user's file and line where the error came from, the step of a run) and the cause, and where
+the full traceback was written: the run's own log when there is a run folder, else a crash file in
+the temporary folder (as npm and rustc keep theirs). `HYDRA_FULL_ERROR=1` prints the traceback too.
 """
 
 import contextlib

@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from orchestrate import thirdparty
+
 # backend.log_level: ORTModule's LogLevel names (DEVINFO is for ORT's developers), as Python
 # logging levels (ORTModule's own mapping, onnxruntime/training/ortmodule/_logger.py) and as the
 # severities of ORT's C++ logger (0 verbose .. 4 fatal).
@@ -223,10 +225,10 @@ def exporting(log_level: str = "ERROR") -> Iterator[None]:
     console from `log_level` (the backend's `log_level`, a LEVELS name) up. Python's warning
     filters still decide which are raised at all (an "error" filter still raises, "ignore" still
     drops), and are as they were afterwards. The export runs with torch.onnx's own symbolics
-    (`standard_symbolics`), whatever ORTModule registered earlier in the process."""
+    (`thirdparty.standard_symbolics`), whatever ORTModule registered earlier in the process."""
     caught: list[warnings.WarningMessage] = []
     try:
-        with warnings.catch_warnings(record=True) as caught, standard_symbolics():
+        with warnings.catch_warnings(record=True) as caught, thirdparty.standard_symbolics():
             yield
     finally:
         logger = logging.getLogger(EXPORTER_LOGGER)
@@ -235,39 +237,6 @@ def exporting(log_level: str = "ERROR") -> Iterator[None]:
                 text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line).rstrip()
                 logger.handle(logger.makeRecord(EXPORTER_LOGGER, logging.WARNING, w.filename, w.lineno, text,
                                                 None, None))
-
-
-@contextlib.contextmanager
-def standard_symbolics() -> Iterator[None]:
-    """torch.onnx's own symbolic functions meanwhile. An ORTModule, once built, registers ORT's
-    symbolics with torch.onnx for the rest of the process (MaxPool2d, embedding, ... as `ATen`
-    nodes of the org.pytorch.aten domain, which only ORTModule's own sessions run) and never
-    removes them: any export after it (the trained model for inference, the on-device API's
-    training graph, another backend's run in the same process) would carry those nodes, and
-    ORT's inference sessions refuse to load the model. They are set aside here and put back after,
-    for the ORTModules still alive."""
-    registry = sys.modules.get("onnxruntime.training.ortmodule._custom_op_symbolic_registry")
-    if registry is None:  # no ORTModule in this process: nothing registered
-        yield
-        return
-    # torch.onnx can register and unregister a custom symbolic, but not say whether one is
-    # registered at an opset: its registry (a private module) is read for that.
-    from torch.onnx import register_custom_op_symbolic, unregister_custom_op_symbolic
-    from torch.onnx._internal import registration
-
-    set_aside = []
-    for name in registry.CustomOpSymbolicRegistry._SYMBOLICS:
-        name = f"aten{name}" if name.startswith("::") else name  # as torch.onnx stores "::op"
-        group = registration.registry.get_function_group(name)
-        for opset in range(1, 100) if group is not None else ():
-            if group._functions.overridden(opset):
-                set_aside.append((name, group._functions[opset], opset))
-                unregister_custom_op_symbolic(name, opset)
-    try:
-        yield
-    finally:
-        for name, function, opset in set_aside:
-            register_custom_op_symbolic(name, function, opset)
 
 
 @contextlib.contextmanager

@@ -90,9 +90,9 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     if local and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
         # Ray reads the variable once, when it is imported: a process that imported ray before
         # this call would otherwise still register the machine's network address.
-        from ray._private import ray_constants
+        from orchestrate.thirdparty import ray_local_only
 
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        ray_local_only()
     if address is not None:
         check_access(address, key)
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
@@ -183,7 +183,9 @@ class _EarlyStart:
         address, key, then, local_options = self.args
         # Off the main thread Ray leaves SIGTERM's handler alone (what a run wants) and says so; and
         # a sweep refused meanwhile should print its one line only, not Ray's notes.
-        chatty = [logging.getLogger(name) for name in _EARLY_NOTES]
+        from orchestrate.thirdparty import RAY_EARLY_LOGGERS
+
+        chatty = [logging.getLogger(name) for name in RAY_EARLY_LOGGERS]
         for logger in chatty:
             logger.addFilter(_no_early_notes)
         try:
@@ -215,7 +217,6 @@ class _EarlyStart:
             ray.shutdown()
 
 
-_EARLY_NOTES = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
 
 def _no_early_notes(record: logging.LogRecord) -> bool:
@@ -312,22 +313,21 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
         return
     _quiet_import()
     import ray
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-    from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError
 
+    from orchestrate.thirdparty import RAY_EARLY_LOGGERS, ray_cluster_metadata, ray_enable_token_auth
+
     allowed = "allowed: null (a new local Ray), auto, or the address of a running cluster"
-    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    quiet = logging.getLogger(RAY_EARLY_LOGGERS[1])
     quiet.addFilter(_no_early_notes)
     try:
         # What ray.init does first: a token on this machine and no mode named turns the mode on.
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray_enable_token_auth()
     finally:
         quiet.removeFilter(_no_early_notes)
     try:
         with _cpp_lines_to_log():
-            metadata = json.loads(GcsClient(address=hostport).internal_kv_get(
-                b"CLUSTER_METADATA", namespace=b"cluster", timeout=timeout_s).decode())
+            metadata = json.loads(ray_cluster_metadata(hostport, timeout_s).decode())
     except AuthenticationError:
         mode = os.environ.get("RAY_AUTH_MODE", "unset")
         raise RayUnavailable(f"{key}={address}: the cluster refused this process's Ray token (RAY_AUTH_MODE={mode}; "

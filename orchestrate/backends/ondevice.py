@@ -42,15 +42,18 @@ def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
     exporter and onnx know. A model with LayerNorm stops below ONNX's own LayerNormalization op,
     whose gradient ORT 1.19 cannot build (measured: opsets 17-20 fail in generate_artifacts)."""
     import onnx.defs
-    from torch.onnx import _constants  # torch names its exporter's opsets nowhere public
+
+    from orchestrate.thirdparty import torch_onnx_opsets
+
+    torch_low, torch_high = torch_onnx_opsets()
 
     first: dict[str, int] = {}
     for op in onnx.defs.get_all_schemas_with_history():
         if op.domain == "" and op.name in ("SoftmaxCrossEntropyLoss", "LayerNormalization"):
             first[op.name] = min(first.get(op.name, op.since_version), op.since_version)
-    low = max(first["SoftmaxCrossEntropyLoss"], _constants.ONNX_MIN_OPSET)
-    high = min(_constants.ONNX_MAX_OPSET, onnx.defs.onnx_opset_version())
-    why = (f"torch's exporter knows {_constants.ONNX_MIN_OPSET}-{_constants.ONNX_MAX_OPSET}, onnx up to "
+    low = max(first["SoftmaxCrossEntropyLoss"], torch_low)
+    high = min(torch_high, onnx.defs.onnx_opset_version())
+    why = (f"torch's exporter knows {torch_low}-{torch_high}, onnx up to "
            f"{onnx.defs.onnx_opset_version()}, ORT's CrossEntropyLoss block needs {low}")
     if any(isinstance(m, torch.nn.LayerNorm) for m in model.modules()):
         high = min(high, first["LayerNormalization"] - 1)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from orchestrate import ort
 from orchestrate.backends.torch import TorchBackend, export_for_training
 from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
+from orchestrate.thirdparty import ortmodule_session_options
 
 # The environment options ORT 1.19.2 reads each time an ORTModule is built or exports its graph:
 # _RuntimeOptions._override_from_env_vars in onnxruntime/training/ortmodule/options.py, plus
@@ -235,18 +235,10 @@ class ORTModuleBackend(TorchBackend):
         return wrapped
 
     def _set_threads(self, wrapped) -> None:
-        """ORTModule has no public option for its session's threads: extend the session options
-        that each of its graph managers (training and inference) builds."""
-        factory = wrapped._torch_module._execution_manager
-        for manager in (factory._training_manager, factory._inference_manager):
-            original = manager._get_session_config
-
-            def with_threads(self_, original=original):
-                options, providers, provider_options = original()
-                ort.configure(options, self.intra_op_threads, self.allow_spinning, self.mapped_dimensions)
-                return options, providers, provider_options
-
-            manager._get_session_config = types.MethodType(with_threads, manager)
+        """The thread pool, spinning and mapped dimensions on each session ORTModule builds (it has
+        no public option for them: orchestrate.thirdparty)."""
+        ortmodule_session_options(wrapped, lambda options: ort.configure(
+            options, self.intra_op_threads, self.allow_spinning, self.mapped_dimensions))
 
     def seed_step(self, step: int, job) -> None:
         # ORTModule's Dropout runs inside ORT and draws from ORT's one process-wide generator,

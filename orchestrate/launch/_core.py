@@ -21,14 +21,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from omegaconf import DictConfig, open_dict
 
-from orchestrate import ray_cluster
+from orchestrate import ray_cluster, thirdparty
 
 log = logging.getLogger(__name__)
 OUTPUT_WAIT_S = 10.0  # longest wait, once the jobs are done, for their last lines to reach this console
@@ -80,7 +80,7 @@ def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_s
         ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
         if ret.status == JobStatus.FAILED:
-            ret._return_value = TrialError.of(ret._return_value)
+            ret.return_value = TrialError.of(thirdparty.job_error(ret))
         return ret
     finally:
         os.chdir(before)
@@ -390,7 +390,7 @@ class OutputBarrier:
         self.release: Optional[Callable[[], None]] = None
 
     def __enter__(self) -> "OutputBarrier":
-        self.release = _tap_ray_output(self._take_markers, self._saw)
+        self.release = thirdparty.tap_ray_worker_output(self._take_markers, self._saw)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -431,42 +431,3 @@ class OutputBarrier:
         if not done:
             log.warning(f"the last output of job(s) {', '.join(f'#{i}' for i in late)} has not reached this console "
                         f"after {OUTPUT_WAIT_S:g} s; it may follow")
-
-
-def _tap_ray_output(take_markers: Callable[[list[str]], tuple[list[str], list[str]]],
-                    saw: Callable[[list[str]], None]) -> Optional[Callable[[], None]]:
-    """Ray 2.60 internals, kept to this function: Ray offers no public hook on the worker output
-    it prints on the driver. Its print thread hands each batch of lines (a dict: "lines", "pid",
-    "is_err", ...) to the handlers of `ray._private.ray_logging.global_worker_stdstream_dispatcher`;
-    the one named "ray_print_logs" prints them (through its log deduplicator). That handler is
-    wrapped: markers are taken out of a batch before it is printed, and reported once it has been.
-    Returns the function that puts the handler back (printing what the deduplicator still holds,
-    as `ray.shutdown()` would), or None when there is nothing to tap (this driver prints no
-    worker output, or Ray's internals have changed: then the launcher does not wait)."""
-    try:
-        from ray._private import ray_logging
-
-        dispatcher = ray_logging.global_worker_stdstream_dispatcher
-        with dispatcher._lock:
-            printer = dict(dispatcher.handlers).get("ray_print_logs")
-            if printer is None:
-                return None
-
-            def print_batch(data: dict[str, Any]) -> None:
-                data["lines"], found = take_markers(data.get("lines") or [])
-                printer(data)
-                if found:
-                    saw(found)
-
-            dispatcher.handlers = [(n, print_batch if n == "ray_print_logs" else h) for n, h in dispatcher.handlers]
-    except (ImportError, AttributeError, TypeError):
-        return None
-
-    def release() -> None:
-        with dispatcher._lock:
-            dispatcher.handlers = [(n, printer if h is print_batch else h) for n, h in dispatcher.handlers]
-            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
-                for held in dedup.flush():
-                    printer(held)
-
-    return release

@@ -26,13 +26,13 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate import thirdparty
 from orchestrate.redact import redact_text
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import plan
 from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
 
 log = logging.getLogger(__name__)
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs each job in this process
 
 
 # ---- 1. the search space -------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def check(direction, n_jobs: int | None, launcher: str) -> None:
         raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
     if n_jobs is not None and n_jobs < 1:
         raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: must be at least 1, or null (what the launcher runs at once)")
-    if n_jobs is not None and n_jobs > 1 and launcher == BASIC_LAUNCHER:
+    if n_jobs is not None and n_jobs > 1 and launcher == thirdparty.BASIC_LAUNCHER:
         raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: hydra/launcher=basic runs one job at a time in this "
                           "process; allowed: 1 or null, or hydra/launcher=orchestrate_ray for trials at once")
 
@@ -269,7 +269,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
     if isinstance(study.sampler, optuna.samplers.GridSampler):  # no more trials than the grid has points
         to_run = min(to_run, max(0, math.prod(len(v) for v in space.grid().values()) - done))
     # As in Study.optimize: a sampler may stop the study (GridSampler, once every point is taken).
-    study._thread_local.in_optimize_loop, study._stop_flag = True, False
+    stop_requested = thirdparty.optuna_optimize_loop(study)
     slots = min(slot_count(sweeper, conf.get("n_jobs")), max(to_run, 1))
     allowed_failures = int(float(conf["max_failure_rate"]) * int(conf["n_trials"]))
     pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner", "?")
@@ -306,7 +306,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
     try:
         while launched < to_run or running:
             while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
-                   and not study._stop_flag):
+                   and not stop_requested()):
                 if not start():
                     to_run = launched  # every proposal repeats a trial: the space is spent
                     break
@@ -328,6 +328,8 @@ def sweep(sweeper, arguments: list[str]) -> None:
         if running and callable(cancel):
             cancel()
         raise
+    finally:
+        thirdparty.optuna_optimize_loop_end(study)
     write_results(config, study, storage, name)
     if len(failures) > allowed_failures:
         raise failures[0].error

@@ -98,10 +98,10 @@ class Sweep:
                                  "trials on the cluster's nodes, which cannot reach this machine's SQLite store "
                                  "or the sweep's server on 127.0.0.1; set tracking.uri=http://HOST:PORT "
                                  "(an MLflow server the nodes can reach)")
-            from orchestrate.sweeps import headstart
+            from orchestrate.sweeps import prestart
 
             began = time.perf_counter()
-            self.server = headstart.take_server(uri)  # started by the command line, while it checked the trials
+            self.server = prestart.take_server(uri)  # started by the command line, while it checked the trials
             if self.server is None and (warm := _server.warm_server(uri)) is not None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running

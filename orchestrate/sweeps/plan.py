@@ -11,11 +11,12 @@ import json
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate.schema import ConfigError
+from orchestrate.thirdparty import GRID_SWEEPER
 
 # Settings that say how much of a sweep runs, not which sweep it is: running it again with more
 # trials (or more at once) continues the same parent run and the same study.
 HOW_MUCH = ("n_trials", "n_jobs", "max_batch_size")
-GRID_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+GRID_SWEEPERS = (GRID_SWEEPER,
                  "hydra_plugins.orchestrate_grid_sweeper.grid_sweeper.OrchestrateGridSweeper")
 
 

@@ -62,24 +62,24 @@ def install(sweep_dir: Path, timeout_min: int | None) -> None:
     global _SWEEP
     if _SWEEP is not None:
         return
-    from submitit.slurm.slurm import SlurmJob  # first: importing submitit sets its logger's handlers
-
+    from orchestrate import thirdparty
     from orchestrate.sweeps._squeue import QueueWatcher
 
+    theirs = thirdparty.submitit_slurm_watcher()  # first: importing submitit sets its logger's handlers
     sweep_dir.mkdir(parents=True, exist_ok=True)
     routed = _RoutedLogs(sweep_dir / "submitit.log")
-    watcher = QueueWatcher(delay_s=SlurmJob.watcher._delay_s, squeue=not _sacct_answers())
-    _SWEEP = _Installed(SlurmJob.watcher, watcher, routed, timeout_min)
-    SlurmJob.watcher = watcher
+    watcher = QueueWatcher(delay_s=thirdparty.submitit_watch_delay_s(theirs), squeue=not _sacct_answers())
+    _SWEEP = _Installed(theirs, watcher, routed, timeout_min)
+    thirdparty.submitit_slurm_watcher(watcher)
 
 
 def uninstall() -> None:
     global _SWEEP
     sweep, _SWEEP = _SWEEP, None
     if sweep is not None:
-        from submitit.slurm.slurm import SlurmJob
+        from orchestrate.thirdparty import submitit_slurm_watcher
 
-        SlurmJob.watcher = sweep.previous
+        submitit_slurm_watcher(sweep.previous)
         sweep.routed.close()
 
 

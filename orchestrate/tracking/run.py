@@ -3,7 +3,7 @@
 - `which_run(cfg)` decides which run, reading the store only (the command line calls it while
   checking a config, before anything is written): the run a sweep handed this trial, the run
   `trainer.resume` continues (orchestrate.tracking.resume), or a new one;
-- `Run(cfg, plan, ...)` opens the run that plan names, as a context manager: the run's tags,
+- `Run(cfg, choice, ...)` opens the run that choice (a RunChoice) names, as a context manager: the run's tags,
   params, config and installed packages, what its last attempt kept for a server that was away,
   the runs of the same config that `trainer.resume=auto` finds orphaned, MLflow's system metrics
   when asked for; on the way out it ends the run with its outcome (FINISHED, FAILED with the
@@ -43,7 +43,7 @@ PARAMS_PER_REQUEST = 100  # MLflow's limit for one log_batch
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunChoice:
     """Which MLflow run a training run logs into."""
 
     uri: str  # the store as MLflow is given it: absolute (see stores.absolute_uri), or the sweep's
@@ -56,12 +56,12 @@ class Plan:
         return self.resume.run_id if self.resume else self.handed_over
 
 
-def which_run(cfg: DictConfig) -> Plan:
+def which_run(cfg: DictConfig) -> RunChoice:
     """Which run `cfg` logs into; reads the store only. Bad `trainer.resume` is a ConfigError."""
     given = handed_over_run()
     # Absolute: MLflow keeps one store per URI string for the process, and a relative SQLite
     # path is another file once the working folder changes (a notebook, a test suite).
-    return Plan(uri=given[0] if given else absolute_uri(cfg.tracking.uri), resume=find_resume(cfg),
+    return RunChoice(uri=given[0] if given else absolute_uri(cfg.tracking.uri), resume=find_resume(cfg),
                 handed_over=given[1] if given else None)
 
 
@@ -69,20 +69,20 @@ class Run(RunLogger):
     """The run `which_run` chose, open. An exception out of the `with` block marks it FAILED (the
     error text in its `error` tag), Ctrl-C or a stopping signal KILLED, a clean exit FINISHED."""
 
-    def __init__(self, cfg: DictConfig, plan: Plan, run_name: str, tags: dict[str, str], out_dir: Path):
+    def __init__(self, cfg: DictConfig, choice: RunChoice, run_name: str, tags: dict[str, str], out_dir: Path):
         from mlflow.tracking import MlflowClient
 
         # MLflow's quick HTTP settings from the run's first request on; given back on the way out.
         env_before, self.outbox, self.monitor = quick_http(), None, None
         try:
-            new_sqlite_store(plan.uri)  # before any client opens it: MLflow would make the tables itself
-            client = MlflowClient(tracking_uri=plan.uri)
+            new_sqlite_store(choice.uri)  # before any client opens it: MLflow would make the tables itself
+            client = MlflowClient(tracking_uri=choice.uri)
             tags = {**run_tags(out_dir), **tags, **redact(dict(cfg.tracking.tags))}
-            run = self._start(client, cfg, plan, run_name, tags)
-            super().__init__(plan.uri, run.info.run_id, out_dir)
+            run = self._start(client, cfg, choice, run_name, tags)
+            super().__init__(choice.uri, run.info.run_id, out_dir)
             self.experiment_id = run.info.experiment_id  # the UI line opens its runs page
-            tell_wrapper(plan.uri, run.info.run_id)
-            self._record(cfg, plan, run, tags)
+            tell_wrapper(choice.uri, run.info.run_id)
+            self._record(cfg, choice, run, tags)
         except BaseException:
             if self.outbox is not None:
                 self.end_outbox()
@@ -91,18 +91,18 @@ class Run(RunLogger):
         self.env_before = env_before  # RunLogger's own found the settings made already
 
     @staticmethod
-    def _start(client, cfg: DictConfig, plan: Plan, run_name: str, tags: dict[str, str]):
-        """The run, RUNNING: the existing one `plan` names, or a new one in the experiment
+    def _start(client, cfg: DictConfig, choice: RunChoice, run_name: str, tags: dict[str, str]):
+        """The run, RUNNING: the existing one `choice` names, or a new one in the experiment
         `tracking.experiment`. A new run's tags are written with it, not through the outbox: a
         process killed in its first seconds leaves a run that `trainer.resume=auto` can still tell
         apart (config_key) and end (host, pid)."""
-        if plan.run_id is not None:
-            client.update_run(plan.run_id, status="RUNNING")
-            run = client.get_run(plan.run_id)
-            if plan.resume is not None:
+        if choice.run_id is not None:
+            client.update_run(choice.run_id, status="RUNNING")
+            run = client.get_run(choice.run_id)
+            if choice.resume is not None:
                 for stale in STALE_TAGS:
                     if stale in run.data.tags:
-                        client.delete_tag(plan.run_id, stale)
+                        client.delete_tag(choice.run_id, stale)
             return run
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -111,16 +111,16 @@ class Run(RunLogger):
         experiment_id = training_experiment(client, cfg.tracking.experiment)
         return client.create_run(experiment_id, run_name=cfg.tracking.run_name or run_name, tags=resolve_tags(tags))
 
-    def _record(self, cfg: DictConfig, plan: Plan, run, tags: dict[str, str]) -> None:
+    def _record(self, cfg: DictConfig, choice: RunChoice, run, tags: dict[str, str]) -> None:
         """What the run holds before its first step."""
         from mlflow.entities import Param, RunTag
 
-        if plan.resume is not None:
+        if choice.resume is not None:
             self._send_unsent(Path(run.data.tags.get("out_dir", "")) / UNSENT_FILE)
-        if plan.run_id is not None:  # an existing run: its tags now, in one request
+        if choice.run_id is not None:  # an existing run: its tags now, in one request
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         mark_for_training(self.client, run.info.experiment_id)
-        if plan.resume is None:  # a resumed run's params are this config already (config_key matched)
+        if choice.resume is None:  # a resumed run's params are this config already (config_key matched)
             params = [Param(k, v) for k, v in flatten(cfg).items()]
             for i in range(0, len(params), PARAMS_PER_REQUEST):
                 self.client.log_batch(self.run_id, params=params[i : i + PARAMS_PER_REQUEST])
@@ -134,7 +134,7 @@ class Run(RunLogger):
         if cfg.tracking.system_metrics:  # CPU, memory, disk, network; GPUs where pynvml is installed
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=plan.run_id is not None,
+            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=choice.run_id is not None,
                                                 tracking_uri=self.uri)
             self.monitor.start()
 

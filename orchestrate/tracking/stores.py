@@ -83,7 +83,9 @@ def new_sqlite_store(uri: str) -> None:
     template = cache / f"mlflow-{mlflow.__version__}-empty-store.db"
     try:
         if not template.exists():
-            from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
+            from mlflow.store.db.utils import create_sqlalchemy_engine_with_retry
+
+            from orchestrate.thirdparty import mlflow_initialize_tables
 
             cache.mkdir(parents=True, exist_ok=True)
             fd, made = tempfile.mkstemp(dir=cache, suffix=".db")
@@ -94,7 +96,7 @@ def new_sqlite_store(uri: str) -> None:
             level = chatty.level
             chatty.setLevel(logging.WARNING)
             try:
-                _initialize_tables(engine)  # MLflow's set-up: the tables, then its migrations to the latest
+                mlflow_initialize_tables(engine)  # MLflow's set-up: the tables, then its migrations to the latest
             finally:
                 chatty.setLevel(level)
                 engine.dispose()
@@ -185,9 +187,9 @@ def reachable(uri: str, timeout_s: float = 5.0) -> str | None:
 def store_schemes() -> set[str]:
     """The URI schemes MLflow has a tracking store for (its own and its plugins'); empty if this
     MLflow keeps them elsewhere."""
-    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from orchestrate.thirdparty import mlflow_store_schemes
 
-    return set(getattr(_tracking_store_registry, "_registry", {}))
+    return mlflow_store_schemes()
 
 
 def absolute_uri(uri: str) -> str:

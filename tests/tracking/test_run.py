@@ -6,14 +6,14 @@ from orchestrate.config import load_config
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE
 from orchestrate.tracking.resume import ResumePoint
-from orchestrate.tracking.run import Plan, Run, which_run
+from orchestrate.tracking.run import Run, RunChoice, which_run
 from tests.conftest import client_for
 
 
-def reopened(cfg, run_id: str) -> Plan:
+def reopened(cfg, run_id: str) -> RunChoice:
     """The plan of a run that trainer.resume continues (here: one without a checkpoint)."""
     uri = which_run(cfg).uri
-    return Plan(uri=uri, resume=ResumePoint(run_id, 0, None, None, uri), handed_over=None)
+    return RunChoice(uri=uri, resume=ResumePoint(run_id, 0, None, None, uri), handed_over=None)
 
 
 def test_a_run_sets_no_process_wide_mlflow_state_and_leaves_a_notebook_s_alone(make_cfg, tmp_path):

@@ -54,6 +54,7 @@ from orchestrate import ort, process, ray_cluster, schema, stack
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.meter import Diverged
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
+from orchestrate.thirdparty import ray_train_signals_to
 from orchestrate.tracking.stores import absolute_uri
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement group strategies
@@ -298,7 +299,7 @@ class RunnerBackend(Backend):
         try:
             with train_environment(), quiet_local_mode(in_driver):
                 trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
-                trainer._register_sigint_handler = controllers.append  # handed the controller actor
+                ray_train_signals_to(trainer, controllers.append)  # handed the controller actor
                 result = trainer.fit()
         except KeyboardInterrupt as e:
             if not in_driver:  # a worker group's controller, aborted once the run is marked KILLED

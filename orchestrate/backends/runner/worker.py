@@ -21,6 +21,7 @@ import torch.distributed as dist
 from orchestrate.backends.runner.collective import Workers
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.meter import Diverged
+from orchestrate.thirdparty import quiet_ray_train_reports
 
 SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last report
 WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output folder (as Hydra's job log)
@@ -28,7 +29,6 @@ WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output f
 
 def worker_loop(config: dict) -> dict | None:
     import ray.train
-    from ray.train.v2._internal.execution import context as train_context
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -40,7 +40,7 @@ def worker_loop(config: dict) -> dict | None:
         # lines are kept off its console by the driver (driver.quiet_local_mode).
         with _one_rank_group():
             return _loop(config, rank, world, in_driver)
-    logging.getLogger(train_context.__name__).setLevel(logging.WARNING)  # not a console line per report
+    quiet_ray_train_reports()  # not a console line per report
     log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
     return _loop(config, rank, world, in_driver)
 

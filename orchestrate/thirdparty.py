@@ -1,0 +1,300 @@
+"""Every place orchestrate reaches into another library's internals, in one file: each patch of a
+private attribute and each import of a private module, as a named function that says why there is
+no public way, and `INTERNALS`, the private names they touch. tests/test_thirdparty.py finds each
+of those names in the pinned versions (constraints.txt), so that a pin that moves and drops one
+fails there first, naming the function here that needs it; and it reads the package's sources so
+that no other module reaches into a private name. One named exception: the grid sweeper plugin
+(hydra_plugins/orchestrate_grid_sweeper) subclasses Hydra's BasicSweeper, as a sweeper that
+expands a grid the way Hydra's own does must.
+
+Every library is imported inside the function that needs it: importing this module costs nothing.
+"""
+
+import contextlib
+import logging
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Internal:
+    module: str  # the module, imported by the test
+    name: str  # a dotted attribute path inside it ("": the module itself)
+    used_by: str  # the function of this module that touches it
+    instance: bool = False  # an attribute each instance sets (`self.<last part> =` in the module's source)
+
+
+INTERNALS = (
+    # ORTModule: no option for its sessions' thread pools (ortmodule_session_options)
+    Internal("onnxruntime.training.ortmodule._graph_execution_manager", "GraphExecutionManager._get_session_config",
+             "ortmodule_session_options"),
+    Internal("onnxruntime.training.ortmodule._torch_module_ort", "TorchModuleORT._execution_manager",
+             "ortmodule_session_options", instance=True),
+    Internal("onnxruntime.training.ortmodule.ortmodule", "ORTModule._torch_module", "ortmodule_session_options",
+             instance=True),
+    # ORTModule's symbolics, set aside around an export (standard_symbolics)
+    Internal("onnxruntime.training.ortmodule._custom_op_symbolic_registry", "CustomOpSymbolicRegistry._SYMBOLICS",
+             "standard_symbolics"),
+    Internal("torch.onnx._internal.registration", "registry.get_function_group", "standard_symbolics"),
+    Internal("torch.onnx._internal.registration", "_SymbolicFunctionGroup", "standard_symbolics"),
+    # Ray Train's fit() installs its own SIGINT handler (ray_train_signals_to)
+    Internal("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer._register_sigint_handler",
+             "ray_train_signals_to"),
+    # Ray Train's per-report INFO line (RAY_TRAIN_CONTEXT_LOGGER)
+    Internal("ray.train.v2._internal.execution.context", "", "RAY_TRAIN_CONTEXT_LOGGER"),
+    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import (ray_local_only)
+    Internal("ray._private.ray_constants", "ENABLE_RAY_CLUSTER", "ray_local_only"),
+    # ray.init's first step, done before it to check a cluster's token (ray_enable_token_auth)
+    Internal("ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",
+             "ray_enable_token_auth"),
+    Internal("ray._private.worker", "", "RAY_EARLY_LOGGERS"),
+    # the worker output Ray prints on the driver (tap_ray_worker_output)
+    Internal("ray._private.ray_logging", "global_worker_stdstream_dispatcher", "tap_ray_worker_output"),
+    Internal("ray._private.ray_logging", "stdout_deduplicator", "tap_ray_worker_output"),
+    Internal("ray._private.ray_logging", "stderr_deduplicator", "tap_ray_worker_output"),
+    # Optuna's own loop state, kept by an asynchronous loop of ours (optuna_optimize_loop)
+    Internal("optuna.study.study", "Study._stop_flag", "optuna_optimize_loop", instance=True),
+    Internal("optuna.study.study", "Study._thread_local", "optuna_optimize_loop", instance=True),
+    # torch names its exporter's opsets nowhere public (torch_onnx_opsets)
+    Internal("torch.onnx._constants", "ONNX_MIN_OPSET", "torch_onnx_opsets"),
+    Internal("torch.onnx._constants", "ONNX_MAX_OPSET", "torch_onnx_opsets"),
+    # a cluster's metadata read from its GCS, as ray.init reads it first (ray_cluster_metadata)
+    Internal("ray._raylet", "GcsClient", "ray_cluster_metadata"),
+    # MLflow: an empty store's tables made once and copied, its stores' URI schemes
+    Internal("mlflow.store.db.utils", "_initialize_tables", "mlflow_initialize_tables"),
+    Internal("mlflow.tracking._tracking_service.utils", "_tracking_store_registry._registry", "mlflow_store_schemes"),
+    # submitit's one watcher of Slurm's queue, for all its jobs (submitit_slurm_watcher)
+    Internal("submitit.slurm.slurm", "SlurmJob.watcher", "submitit_slurm_watcher"),
+    Internal("submitit.core.core", "InfoWatcher._delay_s", "submitit_watch_delay_s", instance=True),
+    # Hydra: its argument parser, its config loading outside @hydra.main (hydra_internals)
+    Internal("hydra._internal.utils", "get_args_parser", "hydra_internals"),
+    Internal("hydra._internal.utils", "create_automatic_config_search_path", "hydra_internals"),
+    Internal("hydra._internal.hydra", "Hydra.create_main_hydra2", "hydra_internals"),
+    Internal("hydra._internal.config_loader_impl", "ConfigLoaderImpl", "hydra_internals"),
+    Internal("hydra.core.utils", "JobReturn._return_value", "job_error"),
+    # Hydra's own sweeper and launcher, named as config targets (GRID_SWEEPER, BASIC_LAUNCHER)
+    Internal("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper", "GRID_SWEEPER"),
+    Internal("hydra._internal.core_plugins.basic_launcher", "BasicLauncher", "BASIC_LAUNCHER"),
+)
+
+# Hydra's basic sweeper and launcher as their `_target_`s: config values, which Hydra's configs
+# give in these words.
+GRID_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs each job in this process
+# Ray's loggers whose notes (a SIGTERM handler not set, token authentication on) a Ray started on
+# another thread logs; and Ray Train's, which logs a line per report at INFO.
+RAY_EARLY_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+RAY_TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
+
+
+# ---- ONNX Runtime and torch.onnx ---------------------------------------------------------------
+
+def ortmodule_session_options(wrapped, configure: Callable[[Any], None]) -> None:
+    """`configure(options)` on the SessionOptions each of an ORTModule's graph managers (training
+    and inference) builds. ORTModule has no public option for its sessions' threads: its managers'
+    `_get_session_config` is extended, on this ORTModule only."""
+    factory = wrapped._torch_module._execution_manager
+    for manager in (factory._training_manager, factory._inference_manager):
+        original = manager._get_session_config
+
+        def extended(self_, original=original):
+            options, providers, provider_options = original()
+            configure(options)
+            return options, providers, provider_options
+
+        manager._get_session_config = types.MethodType(extended, manager)
+
+
+@contextlib.contextmanager
+def standard_symbolics() -> Iterator[None]:
+    """torch.onnx's own symbolic functions meanwhile. An ORTModule, once built, registers ORT's
+    symbolics with torch.onnx for the rest of the process (MaxPool2d, embedding, ... as `ATen`
+    nodes of the org.pytorch.aten domain, which only ORTModule's own sessions run) and never
+    removes them: any export after it (the trained model for inference, the on-device API's
+    training graph, another backend's run in the same process) would carry those nodes, and
+    ORT's inference sessions refuse to load the model. They are set aside here and put back after,
+    for the ORTModules still alive. torch.onnx can register and unregister a custom symbolic, but
+    not say whether one is registered at an opset: its registry (a private module) is read."""
+    import sys
+
+    registry = sys.modules.get("onnxruntime.training.ortmodule._custom_op_symbolic_registry")
+    if registry is None:  # no ORTModule in this process: nothing registered
+        yield
+        return
+    from torch.onnx import register_custom_op_symbolic, unregister_custom_op_symbolic
+    from torch.onnx._internal import registration
+
+    set_aside = []
+    for name in registry.CustomOpSymbolicRegistry._SYMBOLICS:
+        name = f"aten{name}" if name.startswith("::") else name  # as torch.onnx stores "::op"
+        group = registration.registry.get_function_group(name)
+        for opset in range(1, 100) if group is not None else ():
+            if group._functions.overridden(opset):
+                set_aside.append((name, group._functions[opset], opset))
+                unregister_custom_op_symbolic(name, opset)
+    try:
+        yield
+    finally:
+        for name, function, opset in set_aside:
+            register_custom_op_symbolic(name, function, opset)
+
+
+def torch_onnx_opsets() -> tuple[int, int]:
+    """The lowest and highest opset torch's exporter knows: torch names them nowhere public."""
+    from torch.onnx import _constants
+
+    return _constants.ONNX_MIN_OPSET, _constants.ONNX_MAX_OPSET
+
+
+# ---- Ray and Ray Train ---------------------------------------------------------------------------
+
+def ray_train_signals_to(trainer, take: Callable[[Any], None]) -> None:
+    """Ray Train's `fit()` takes over SIGINT (its handler asks the controller to abort, then
+    exits with SystemExit) and has no option against it: its registration is replaced, on this
+    trainer, by `take`, which is handed the controller actor instead."""
+    trainer._register_sigint_handler = take
+
+
+def ray_local_only() -> None:
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when it is imported: in a process that
+    imported ray before, the setting is made where Ray keeps what it read (so that a local Ray
+    does not register the machine's network address). For this process, as the variable says."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def ray_enable_token_auth() -> None:
+    """What `ray.init` does first, done before reading a cluster's metadata ourselves (to say in
+    seconds why a cluster refuses this process): with a token on this machine and no mode named,
+    token authentication is turned on. Ray has no public call for it."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def tap_ray_worker_output(take_markers: Callable[[list[str]], tuple[list[str], list[str]]],
+                          saw: Callable[[list[str]], None]) -> Optional[Callable[[], None]]:
+    """Ray offers no public hook on the worker output it prints on the driver. Its print thread
+    hands each batch of lines (a dict: "lines", "pid", "is_err", ...) to the handlers of
+    `ray._private.ray_logging.global_worker_stdstream_dispatcher`; the one named "ray_print_logs"
+    prints them (through its log deduplicator). That handler is wrapped: markers are taken out of
+    a batch before it is printed, and reported once it has been. Returns the function that puts
+    the handler back (printing what the deduplicator still holds, as `ray.shutdown()` would), or
+    None when there is nothing to tap (this driver prints no worker output, or Ray's internals
+    have changed: then the caller does not wait for markers)."""
+    try:
+        from ray._private import ray_logging
+
+        dispatcher = ray_logging.global_worker_stdstream_dispatcher
+        with dispatcher._lock:
+            printer = dict(dispatcher.handlers).get("ray_print_logs")
+            if printer is None:
+                return None
+
+            def print_batch(data: dict[str, Any]) -> None:
+                data["lines"], found = take_markers(data.get("lines") or [])
+                printer(data)
+                if found:
+                    saw(found)
+
+            dispatcher.handlers = [(n, print_batch if n == "ray_print_logs" else h) for n, h in dispatcher.handlers]
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+    def release() -> None:
+        with dispatcher._lock:
+            dispatcher.handlers = [(n, printer if h is print_batch else h) for n, h in dispatcher.handlers]
+            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+                for held in dedup.flush():
+                    printer(held)
+
+    return release
+
+
+def ray_cluster_metadata(hostport: str, timeout_s: float) -> bytes | None:
+    """The cluster's metadata as its GCS holds it (what `ray.init` reads first), with this
+    process's token; Ray has no public client for one read without joining the cluster."""
+    from ray._raylet import GcsClient
+
+    return GcsClient(address=hostport).internal_kv_get(b"CLUSTER_METADATA", namespace=b"cluster", timeout=timeout_s)
+
+
+def quiet_ray_train_reports() -> None:
+    """Ray Train's worker context logs a console line per `ray.train.report` at INFO: WARNING up."""
+    logging.getLogger(RAY_TRAIN_CONTEXT_LOGGER).setLevel(logging.WARNING)
+
+
+# ---- Optuna ----------------------------------------------------------------------------------------
+
+def optuna_optimize_loop(study) -> Callable[[], bool]:
+    """The state Study.optimize keeps while it runs, set for our own asynchronous loop (Optuna's
+    runs one trial per thread and waits for each; it has no public way to run trials otherwise):
+    samplers read `in_optimize_loop`, and a sampler may stop the study (GridSampler, once every
+    point is taken) through its stop flag, which the returned function reads. Undone by
+    `optuna_optimize_loop_end`, as `optimize` leaves it."""
+    study._thread_local.in_optimize_loop, study._stop_flag = True, False
+    return lambda: bool(study._stop_flag)
+
+
+def optuna_optimize_loop_end(study) -> None:
+    study._thread_local.in_optimize_loop = False
+
+
+# ---- submitit --------------------------------------------------------------------------------------
+
+def submitit_slurm_watcher(watcher=None):
+    """submitit's one watcher of Slurm's queue (a class attribute every SlurmJob asks), returned;
+    replaced by `watcher` when one is given (put back by calling this again with the one
+    returned). submitit has no option for how its jobs' states are read."""
+    from submitit.slurm.slurm import SlurmJob
+
+    previous = SlurmJob.watcher
+    if watcher is not None:
+        SlurmJob.watcher = watcher
+    return previous
+
+
+def submitit_watch_delay_s(watcher) -> float:
+    """How long submitit's watcher waits between two reads of the queue."""
+    return watcher._delay_s
+
+
+# ---- Hydra -----------------------------------------------------------------------------------------
+
+def hydra_internals() -> types.SimpleNamespace:
+    """Hydra's parts that `@hydra.main` uses and its public API does not offer, to compose a config
+    exactly as the run will (orchestrate.config) and to read the command line as it will
+    (orchestrate.cli): its argument parser, the search path it builds for a config folder, its
+    main object, and its config loader."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+
+    return types.SimpleNamespace(get_args_parser=get_args_parser, Hydra=Hydra, ConfigLoaderImpl=ConfigLoaderImpl,
+                                 create_automatic_config_search_path=create_automatic_config_search_path)
+
+
+def job_error(ret) -> BaseException:
+    """The exception a FAILED job's JobReturn holds: its public `return_value` raises it instead."""
+    return ret._return_value
+
+
+# ---- MLflow ----------------------------------------------------------------------------------------
+
+def mlflow_initialize_tables(engine) -> None:
+    """A new SQLite store's tables, made as MLflow makes them (orchestrate.tracking.stores keeps
+    one empty store and copies it: MLflow's migrations take seconds per store)."""
+    from mlflow.store.db.utils import _initialize_tables
+
+    _initialize_tables(engine)
+
+
+def mlflow_store_schemes() -> set[str]:
+    """The URI schemes MLflow has a tracking store for (its own and its plugins'); empty if this
+    MLflow keeps them elsewhere. MLflow lists them nowhere public."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    return set(getattr(_tracking_store_registry, "_registry", {}))
