@@ -22,62 +22,77 @@ from typing import Any, Optional
 class Internal:
     module: str  # the module, imported by the test
     name: str  # a dotted attribute path inside it ("": the module itself)
-    used_by: str  # the function of this module that touches it
+    used_by: str  # what of this module touches it
     instance: bool = False  # an attribute each instance sets (`self.<last part> =` in the module's source)
 
 
-INTERNALS = (
+def _listed(by_user: dict[str, tuple[str, ...]]) -> tuple[Internal, ...]:
+    """`INTERNALS` from `{what uses them: ("module:Attribute.path", ...)}`; a trailing `*` marks
+    an attribute each instance sets, a bare module the module itself."""
+    return tuple(Internal(spec.partition(":")[0], spec.partition(":")[2].rstrip("*"), user, spec.endswith("*"))
+                 for user, specs in by_user.items() for spec in specs)
+
+
+INTERNALS = _listed({
     # ORTModule: no option for its sessions' thread pools (ortmodule_session_options)
-    Internal("onnxruntime.training.ortmodule._graph_execution_manager", "GraphExecutionManager._get_session_config",
-             "ortmodule_session_options"),
-    Internal("onnxruntime.training.ortmodule._torch_module_ort", "TorchModuleORT._execution_manager",
-             "ortmodule_session_options", instance=True),
-    Internal("onnxruntime.training.ortmodule.ortmodule", "ORTModule._torch_module", "ortmodule_session_options",
-             instance=True),
+    "ortmodule_session_options": (
+        "onnxruntime.training.ortmodule._graph_execution_manager:GraphExecutionManager._get_session_config",
+        "onnxruntime.training.ortmodule._torch_module_ort:TorchModuleORT._execution_manager*",
+        "onnxruntime.training.ortmodule.ortmodule:ORTModule._torch_module*",
+    ),
     # ORTModule's symbolics, set aside around an export (standard_symbolics)
-    Internal("onnxruntime.training.ortmodule._custom_op_symbolic_registry", "CustomOpSymbolicRegistry._SYMBOLICS",
-             "standard_symbolics"),
-    Internal("torch.onnx._internal.registration", "registry.get_function_group", "standard_symbolics"),
-    Internal("torch.onnx._internal.registration", "_SymbolicFunctionGroup", "standard_symbolics"),
+    "standard_symbolics": (
+        "onnxruntime.training.ortmodule._custom_op_symbolic_registry:CustomOpSymbolicRegistry._SYMBOLICS",
+        "torch.onnx._internal.registration:registry.get_function_group",
+        "torch.onnx._internal.registration:_SymbolicFunctionGroup",
+    ),
     # Ray Train's fit() installs its own SIGINT handler (ray_train_signals_to)
-    Internal("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer._register_sigint_handler",
-             "ray_train_signals_to"),
+    "ray_train_signals_to": ("ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._register_sigint_handler",),
     # Ray Train's per-report INFO line (RAY_TRAIN_CONTEXT_LOGGER)
-    Internal("ray.train.v2._internal.execution.context", "", "RAY_TRAIN_CONTEXT_LOGGER"),
+    "RAY_TRAIN_CONTEXT_LOGGER": ("ray.train.v2._internal.execution.context",),
     # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import (ray_local_only)
-    Internal("ray._private.ray_constants", "ENABLE_RAY_CLUSTER", "ray_local_only"),
+    "ray_local_only": ("ray._private.ray_constants:ENABLE_RAY_CLUSTER",),
     # ray.init's first step, done before it to check a cluster's token (ray_enable_token_auth)
-    Internal("ray._private.authentication.authentication_token_setup", "maybe_enable_token_auth_if_token_available",
-             "ray_enable_token_auth"),
-    Internal("ray._private.worker", "", "RAY_EARLY_LOGGERS"),
+    "ray_enable_token_auth": (
+        "ray._private.authentication.authentication_token_setup:maybe_enable_token_auth_if_token_available",
+    ),
+    "RAY_EARLY_LOGGERS": ("ray._private.worker",),
     # the worker output Ray prints on the driver (tap_ray_worker_output)
-    Internal("ray._private.ray_logging", "global_worker_stdstream_dispatcher", "tap_ray_worker_output"),
-    Internal("ray._private.ray_logging", "stdout_deduplicator", "tap_ray_worker_output"),
-    Internal("ray._private.ray_logging", "stderr_deduplicator", "tap_ray_worker_output"),
+    "tap_ray_worker_output": (
+        "ray._private.ray_logging:global_worker_stdstream_dispatcher",
+        "ray._private.ray_logging:stdout_deduplicator",
+        "ray._private.ray_logging:stderr_deduplicator",
+    ),
     # Optuna's own loop state, kept by an asynchronous loop of ours (optuna_optimize_loop)
-    Internal("optuna.study.study", "Study._stop_flag", "optuna_optimize_loop", instance=True),
-    Internal("optuna.study.study", "Study._thread_local", "optuna_optimize_loop", instance=True),
+    "optuna_optimize_loop": (
+        "optuna.study.study:Study._stop_flag*",
+        "optuna.study.study:Study._thread_local*",
+    ),
     # torch names its exporter's opsets nowhere public (torch_onnx_opsets)
-    Internal("torch.onnx._constants", "ONNX_MIN_OPSET", "torch_onnx_opsets"),
-    Internal("torch.onnx._constants", "ONNX_MAX_OPSET", "torch_onnx_opsets"),
+    "torch_onnx_opsets": (
+        "torch.onnx._constants:ONNX_MIN_OPSET",
+        "torch.onnx._constants:ONNX_MAX_OPSET",
+    ),
     # a cluster's metadata read from its GCS, as ray.init reads it first (ray_cluster_metadata)
-    Internal("ray._raylet", "GcsClient", "ray_cluster_metadata"),
+    "ray_cluster_metadata": ("ray._raylet:GcsClient",),
     # MLflow: an empty store's tables made once and copied, its stores' URI schemes
-    Internal("mlflow.store.db.utils", "_initialize_tables", "mlflow_initialize_tables"),
-    Internal("mlflow.tracking._tracking_service.utils", "_tracking_store_registry._registry", "mlflow_store_schemes"),
+    "mlflow_initialize_tables": ("mlflow.store.db.utils:_initialize_tables",),
+    "mlflow_store_schemes": ("mlflow.tracking._tracking_service.utils:_tracking_store_registry._registry",),
     # submitit's one watcher of Slurm's queue, for all its jobs (submitit_slurm_watcher)
-    Internal("submitit.slurm.slurm", "SlurmJob.watcher", "submitit_slurm_watcher"),
-    Internal("submitit.core.core", "InfoWatcher._delay_s", "submitit_watch_delay_s", instance=True),
+    "submitit_slurm_watcher": ("submitit.slurm.slurm:SlurmJob.watcher",),
+    "submitit_watch_delay_s": ("submitit.core.core:InfoWatcher._delay_s*",),
     # Hydra: its argument parser, its config loading outside @hydra.main (hydra_internals)
-    Internal("hydra._internal.utils", "get_args_parser", "hydra_internals"),
-    Internal("hydra._internal.utils", "create_automatic_config_search_path", "hydra_internals"),
-    Internal("hydra._internal.hydra", "Hydra.create_main_hydra2", "hydra_internals"),
-    Internal("hydra._internal.config_loader_impl", "ConfigLoaderImpl", "hydra_internals"),
-    Internal("hydra.core.utils", "JobReturn._return_value", "job_error"),
+    "hydra_internals": (
+        "hydra._internal.utils:get_args_parser",
+        "hydra._internal.utils:create_automatic_config_search_path",
+        "hydra._internal.hydra:Hydra.create_main_hydra2",
+        "hydra._internal.config_loader_impl:ConfigLoaderImpl",
+    ),
+    "job_error": ("hydra.core.utils:JobReturn._return_value",),
     # Hydra's own sweeper and launcher, named as config targets (GRID_SWEEPER, BASIC_LAUNCHER)
-    Internal("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper", "GRID_SWEEPER"),
-    Internal("hydra._internal.core_plugins.basic_launcher", "BasicLauncher", "BASIC_LAUNCHER"),
-)
+    "GRID_SWEEPER": ("hydra._internal.core_plugins.basic_sweeper:BasicSweeper",),
+    "BASIC_LAUNCHER": ("hydra._internal.core_plugins.basic_launcher:BasicLauncher",),
+})
 
 # Hydra's basic sweeper and launcher as their `_target_`s: config values, which Hydra's configs
 # give in these words.
