@@ -239,6 +239,40 @@ def exporting(log_level: str = "ERROR") -> Iterator[None]:
                                                 None, None))
 
 
+class _Keeper(logging.Handler):
+    def __init__(self, kept: list[logging.LogRecord]):
+        super().__init__()
+        self.kept = kept
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.kept.append(record)
+
+
+@contextlib.contextmanager
+def records_kept() -> Iterator[list[logging.LogRecord]]:
+    """The log records that reach the root logger meanwhile (from INFO up, as a run's log takes
+    them, and whatever `stderr_logged` and `exporting` hand on), kept instead of handled, for a run
+    to log later (`replay`): a check that builds what the run reuses (the on-device artifacts) runs
+    before the run's log exists, and the run's log still holds ORT's account of the build."""
+    kept: list[logging.LogRecord] = []
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = [_Keeper(kept)]
+    root.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        yield kept
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
+
+
+def replay(records: list[logging.LogRecord]) -> None:
+    """Records `records_kept` kept, handled now by the loggers they were made for (the run's log
+    file takes them all; the console what its filters let through: HideOrtOutput)."""
+    for record in records:
+        logging.getLogger(record.name).handle(record)
+
+
 @contextlib.contextmanager
 def stderr_logged(name: str = "onnxruntime", console_from: str | None = None) -> Iterator[None]:
     """What is written to file descriptor 2 meanwhile (ORT's C++ logger, which some ORT calls run

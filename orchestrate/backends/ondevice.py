@@ -218,7 +218,7 @@ class OnDeviceBackend(Backend):
         # ORT's output as in `fit` (the console from backend.log_level up), put back afterwards:
         # no run is open yet. The artifacts stay with the job (`Job.built`): its run reuses them.
         built = tempfile.TemporaryDirectory(prefix="ort_artifacts_checked_")
-        with process.kept():
+        with process.kept(), ort.records_kept() as said:
             ort.quiet(self.log_level)
             try:
                 with ort.stderr_logged():
@@ -234,7 +234,7 @@ class OnDeviceBackend(Backend):
                                   f"{onnxruntime.__version__} has no gradient for the ONNX op {found[1]} (node "
                                   f"{found[2]} of the exported model); allowed: a model without it, or backend=torch"
                                   ) from None
-        job.built[key] = built
+        job.built[key] = (built, said)  # the folder, and ORT's account of the build for the run's log
 
     def artifacts_key(self, job) -> tuple[str, str]:
         """Everything the graphs are built from: the model and data configs, this backend's
@@ -320,8 +320,10 @@ class OnDeviceBackend(Backend):
         with ort.stderr_logged():
             checked = job.built.pop(self.artifacts_key(job), None)  # the check's build, of this very model
             if checked is not None:
-                with checked:
-                    shutil.copytree(checked.name, folder, dirs_exist_ok=True)
+                built, said = checked
+                with built:
+                    shutil.copytree(built.name, folder, dirs_exist_ok=True)
+                ort.replay(said)  # what the build logged, in this run's log as if built here
             else:
                 self.generate_artifacts(job, folder)
             options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions,
