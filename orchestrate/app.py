@@ -98,10 +98,11 @@ _HANDED: contextvars.ContextVar[tuple[str, Job] | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def handing_over(cfg: DictConfig | None, job: Job | None) -> Iterator[None]:
-    """Within the block, the run of `cfg` in this process takes `job` (checked for it) over
-    instead of building and checking it again; afterwards nothing of it is kept."""
-    token = _HANDED.set((OmegaConf.to_yaml(cfg), job) if cfg is not None and job is not None else None)
+def handing_over(checked: tuple[DictConfig, Job] | None) -> Iterator[None]:
+    """Within the block, the run of the config in this process takes its `checked` job over
+    instead of building and checking it again (None: nothing to hand over); afterwards nothing of
+    it is kept."""
+    token = _HANDED.set((OmegaConf.to_yaml(checked[0]), checked[1]) if checked is not None else None)
     try:
         yield
     finally:

@@ -136,9 +136,7 @@ def boundary(where: Where) -> Iterator[Where]:
     itself, a KeyboardInterrupt no row takes) goes on up."""
     try:
         yield where
-    except Exception as e:
-        _exit(e, where)
-    except KeyboardInterrupt as e:
+    except (Exception, KeyboardInterrupt) as e:
         _exit(e, where)
 
 
@@ -146,7 +144,7 @@ def _exit(e: BaseException, where: Where) -> None:
     row = next((r for r in TABLE if where.stage in r.stages and isinstance(e, r.types) and r.applies(e, where)),
                None)
     if row is None:
-        raise e
+        raise  # the exception being handled, as it was raised
     where.handled = e
     line = row.line(e, where)
     if row.traceback:

@@ -247,7 +247,7 @@ def main() -> None:
     where = Where(COMMAND, multirun=multirun)
     try:
         # What Hydra would print as a traceback: one line here (the boundary's).
-        with boundary(where), errors.hydra_raising(), app.handing_over(*(handed or (None, None))):
+        with boundary(where), errors.hydra_raising(), app.handing_over(handed):
             app.hydra_main()
     finally:
         if multirun:

@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import logging.handlers
 import os
 import re
 import sys
@@ -239,28 +240,19 @@ def exporting(log_level: str = "ERROR") -> Iterator[None]:
                                                 None, None))
 
 
-class _Keeper(logging.Handler):
-    def __init__(self, kept: list[logging.LogRecord]):
-        super().__init__()
-        self.kept = kept
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.kept.append(record)
-
-
 @contextlib.contextmanager
 def records_kept() -> Iterator[list[logging.LogRecord]]:
     """The log records that reach the root logger meanwhile (from INFO up, as a run's log takes
     them, and whatever `stderr_logged` and `exporting` hand on), kept instead of handled, for a run
     to log later (`replay`): a check that builds what the run reuses (the on-device artifacts) runs
     before the run's log exists, and the run's log still holds ORT's account of the build."""
-    kept: list[logging.LogRecord] = []
+    keeper = logging.handlers.BufferingHandler(capacity=sys.maxsize)  # never full: never flushed
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    root.handlers = [_Keeper(kept)]
+    root.handlers = [keeper]
     root.setLevel(min(level or logging.INFO, logging.INFO))
     try:
-        yield kept
+        yield keeper.buffer
     finally:
         root.handlers = handlers
         root.setLevel(level)

@@ -315,10 +315,10 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
-    from orchestrate.thirdparty import RAY_EARLY_LOGGERS, ray_cluster_metadata, ray_enable_token_auth
+    from orchestrate.thirdparty import RAY_TOKEN_SETUP_LOGGER, ray_cluster_metadata, ray_enable_token_auth
 
     allowed = "allowed: null (a new local Ray), auto, or the address of a running cluster"
-    quiet = logging.getLogger(RAY_EARLY_LOGGERS[1])
+    quiet = logging.getLogger(RAY_TOKEN_SETUP_LOGGER)
     quiet.addFilter(_no_early_notes)
     try:
         # What ray.init does first: a token on this machine and no mode named turns the mode on.

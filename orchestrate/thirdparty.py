@@ -12,6 +12,7 @@ Every library is imported inside the function that needs it: importing this modu
 
 import contextlib
 import logging
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -100,7 +101,8 @@ GRID_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs each job in this process
 # Ray's loggers whose notes (a SIGTERM handler not set, token authentication on) a Ray started on
 # another thread logs; and Ray Train's, which logs a line per report at INFO.
-RAY_EARLY_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+RAY_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_EARLY_LOGGERS = ("ray._private.worker", RAY_TOKEN_SETUP_LOGGER)
 RAY_TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
 
 
@@ -132,8 +134,6 @@ def standard_symbolics() -> Iterator[None]:
     ORT's inference sessions refuse to load the model. They are set aside here and put back after,
     for the ORTModules still alive. torch.onnx can register and unregister a custom symbolic, but
     not say whether one is registered at an opset: its registry (a private module) is read."""
-    import sys
-
     registry = sys.modules.get("onnxruntime.training.ortmodule._custom_op_symbolic_registry")
     if registry is None:  # no ORTModule in this process: nothing registered
         yield

@@ -13,7 +13,6 @@ import fnmatch
 import inspect
 import math
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,25 +203,27 @@ class OnDeviceBackend(Backend):
         self.check_gradients(job)
 
     def check_gradients(self, job) -> None:
-        """Build the artifacts once, into a folder thrown away. ORT 1.19 has no gradient for some
+        """Build the artifacts once, in a folder thrown away. ORT 1.19 has no gradient for some
         ops torch exports (measured: CumSum, Einsum, Atan, Softplus, Elu, PRelu, HardSwish,
         ReduceMax from amax, InstanceNormalization from GroupNorm), and its artifact builder
         would otherwise stop inside the run. ORT publishes no list of the ops it can differentiate,
         so the check is the build itself, the same one `fit` runs: it cannot disagree with it.
-        The run reuses what the check built (`fit`), so the check costs no second build."""
+        The run reuses what the check built (`fit`), so the check costs no second build: the files
+        are kept in memory on the job (`Job.built`), the folder removed at once, so that a process
+        that ends without its run (a sweep's check, a killed one) leaves nothing on disk."""
         import onnxruntime
 
         key = self.artifacts_key(job)
         if key in job.built:  # built by an earlier check of the same settings (a sweep's trials)
             return
         # ORT's output as in `fit` (the console from backend.log_level up), put back afterwards:
-        # no run is open yet. The artifacts stay with the job (`Job.built`): its run reuses them.
-        built = tempfile.TemporaryDirectory(prefix="ort_artifacts_checked_")
-        with process.kept(), ort.records_kept() as said:
+        # no run is open yet.
+        with process.kept(), ort.records_kept() as said, \
+                tempfile.TemporaryDirectory(prefix="ort_artifacts_checked_") as folder:
             ort.quiet(self.log_level)
             try:
                 with ort.stderr_logged():
-                    self.generate_artifacts(job, Path(built.name))
+                    self.generate_artifacts(job, Path(folder))
             except torch.onnx.errors.OnnxExporterError as e:  # an operator ONNX lacks at this opset
                 raise ConfigError(f"model ({job.cfg.model._target_}) cannot be exported at backend.opset={self.opset}: "
                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
@@ -234,7 +235,8 @@ class OnDeviceBackend(Backend):
                                   f"{onnxruntime.__version__} has no gradient for the ONNX op {found[1]} (node "
                                   f"{found[2]} of the exported model); allowed: a model without it, or backend=torch"
                                   ) from None
-        job.built[key] = (built, said)  # the folder, and ORT's account of the build for the run's log
+            files = {made.name: made.read_bytes() for made in Path(folder).iterdir()}  # flat: four files
+        job.built[key] = (files, said)  # the artifacts, and ORT's account of the build for the run's log
 
     def artifacts_key(self, job) -> tuple[str, str]:
         """Everything the graphs are built from: the model and data configs, this backend's
@@ -320,9 +322,10 @@ class OnDeviceBackend(Backend):
         with ort.stderr_logged():
             checked = job.built.pop(self.artifacts_key(job), None)  # the check's build, of this very model
             if checked is not None:
-                built, said = checked
-                with built:
-                    shutil.copytree(built.name, folder, dirs_exist_ok=True)
+                files, said = checked
+                folder.mkdir(parents=True, exist_ok=True)
+                for name, content in files.items():
+                    (folder / name).write_bytes(content)
                 ort.replay(said)  # what the build logged, in this run's log as if built here
             else:
                 self.generate_artifacts(job, folder)

@@ -64,7 +64,7 @@ def open_trial(parent: ParentRun, config: DictConfig) -> str:
 
     run = MlflowClient(tracking_uri=parent.uri).create_run(
         parent.experiment_id, run_name=name,
-        tags=resolve_tags({PARENT_KEY: parent.parent_run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
+        tags=resolve_tags({PARENT_KEY: parent.run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
                            "orchestrate.role": "trial"}))
     return run.info.run_id
 
@@ -149,7 +149,7 @@ class Sweep:
         self.planned = plan.trials(config) if plan.is_grid(config) else []
 
     def parent(self) -> ParentRun:
-        return ParentRun(uri=self.uri, experiment_id=self.experiment_id, parent_run_id=self.run_id,
+        return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
                         command=self.fixed, finished=dict(self.finished))
 
     def children(self) -> list:

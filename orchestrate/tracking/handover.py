@@ -24,7 +24,7 @@ class ParentRun:
 
     uri: str  # the store the trials write to (the sweep's server in front of SQLite)
     experiment_id: str
-    parent_run_id: str
+    run_id: str
     command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
     finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
 

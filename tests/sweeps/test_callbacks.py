@@ -45,7 +45,7 @@ def test_the_summary_ranks_by_the_sweeps_direction(overrides, lower):
 def test_the_callback_reaches_a_remote_job_with_what_on_multirun_start_set():
     """Launchers pickle the HydraContext (which holds the callbacks) to run a job elsewhere."""
     cb = SweepTracking("sqlite:///mlflow.db", "orchestrate")
-    cb.parent = ParentRun(uri="http://127.0.0.1:5001", experiment_id="1", parent_run_id="p", command=["a=1"],
+    cb.parent = ParentRun(uri="http://127.0.0.1:5001", experiment_id="1", run_id="p", command=["a=1"],
                            finished={"b=2": "r"})
     cb._sweep = threading.Lock()  # the launching process's server and clients: not picklable, not needed
     hooks = Callbacks()
@@ -72,7 +72,7 @@ def parent(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     experiment_id = client.create_experiment("e")
     run_id = client.create_run(experiment_id, run_name="sweep-x").info.run_id
-    return client, ParentRun(uri=uri, experiment_id=experiment_id, parent_run_id=run_id, command=["backend=torch"])
+    return client, ParentRun(uri=uri, experiment_id=experiment_id, run_id=run_id, command=["backend=torch"])
 
 
 def job_config(*overrides: str, num: int):
@@ -95,7 +95,7 @@ def test_a_job_gets_a_nested_child_run_and_its_environment_back(parent, monkeypa
     assert os.environ["MLFLOW_TRACKING_URI"] == handover.uri
     assert os.environ["MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE"] == "1"
     assert child.info.run_name == "optimizer.lr=0.5" and child.info.status == "RUNNING"
-    assert child.data.tags["mlflow.parentRunId"] == handover.parent_run_id
+    assert child.data.tags["mlflow.parentRunId"] == handover.run_id
     assert child.data.tags["orchestrate.trial_index"] == "3"
     assert child.data.tags["mlflow.source.type"] == "LOCAL" and child.data.tags["mlflow.user"]  # the UI's Source, User
     # The job failed before the app opened its tracker: the callback closes the run as FAILED.
