@@ -15,6 +15,7 @@ Claims (the guide's sentence, where it stands now -> command):
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import re
@@ -26,8 +27,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests import guide  # noqa: E402  (the guide's pages: README.md, then docs/*.md)
+
+
+def _guide():
+    """tests/guide.py (the guide's pages: README.md, then docs/*.md), loaded from its file: this
+    script runs from a checkout, where `tests` is no package on the import path."""
+    spec = importlib.util.spec_from_file_location("guide", ROOT / "tests" / "guide.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+guide = _guide()
 
 TABLE = ROOT / "docs" / "readme-timings.md"
 COMMANDS = {

@@ -105,3 +105,13 @@ def test_lower_layers_do_not_import_upper_ones():
     wrong = {m: sorted(t for t in targets if t.startswith(upper))
              for m, targets in g.items() if m.startswith(lower)}
     assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_nothing_edits_the_import_path():
+    """Code finds the package as installed (editable or from the wheel), never by editing sys.path."""
+    edits = [f"{path.relative_to(ROOT)}:{number}"
+             for folder in ("orchestrate", "hydra_plugins", "tests", "benchmarks", "scripts")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if ("sys.path." + "insert") in line or ("sys.path." + "append") in line]
+    assert not edits, f"sys.path edited at {', '.join(edits)}"
