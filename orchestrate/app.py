@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import checkpoints, errors, plots, process, schema, stack
 from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.job import Job
+from orchestrate.meter import world_sizes
 from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
 from orchestrate.tracking.handover import finished_run_metrics
@@ -186,6 +187,9 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     tf32 = f" (TF32 matrix products: trainer.tf32={str(t.tf32).lower()})" if t.device.value == "cuda" \
         and t.precision.value == "fp32" else ""
     lines.append(f"  {'precision':<18} {t.precision.value}{tf32}")
+    sizes = world_sizes(job.meter.history)
+    if len(sizes) > 1:  # an elastic run (trainer.min_workers) that grew or shrank: its resized_at_* tags say where
+        lines.append(f"  {'workers':<18} {' -> '.join(map(str, sizes))} (of {t.min_workers} to {t.num_workers})")
     for key, label in [("train_loss", "final train loss"), ("eval_loss", "eval loss"),
                        ("eval_accuracy", "eval accuracy"), ("samples_per_sec", "samples/s"),
                        ("step_time_ms", "step time (ms)")]:

@@ -153,13 +153,13 @@ def progress(step: int, job) -> dict[str, int]:
     every checkpoint format holds (ORT's CheckpointState as properties)."""
     t = job.trainer
     micro_steps = step * t.gradient_accumulation_steps
-    round_, index = job.data.epoch_of(micro_steps, t.batch_size, job.parallel.world_size)
+    round_, index = job.data.epoch_of(micro_steps, t.batch_size, t.num_workers)  # at any worker count
     return {
         "step": step,  # weight updates done (ORT: weight_update_step_count_)
         "micro_steps": micro_steps,  # forward/backward passes done (ORT: step_), also the data position
         "round": round_,  # passes over the training data (ORT: round_)
         "data_index": index,  # next batch within this pass (ORT: training_data_set_index_)
-        "world_size": job.parallel.world_size,
+        "world_size": job.parallel.world_size,  # the workers that wrote it (an elastic run's changes)
     }
 
 

@@ -281,11 +281,19 @@ class Job:
         self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints",
                                        log_to_tracker=self.cfg.tracking.log_checkpoints, writer=self.parallel.logging,
                                        sample=lambda: self.data.sample_input().cpu().numpy())
-        t = self.trainer
-        samples = t.batch_size * t.gradient_accumulation_steps * self.parallel.world_size
+        t, p = self.trainer, self.parallel
+        # A step's global batch is `slices` micro-batches of batch_size, the same at any worker count:
+        # gradient_accumulation_steps of them for each of the num_workers ranks of a full-size run.
+        # The ranks present take them in turn (rank r the r-th, the (r+N)-th, ...), so with fewer
+        # workers (an elastic run) each runs more of them, and a rank's losses are weighted so that
+        # the all-reduced gradients are the mean over the whole global batch (`loss_weight`).
+        self.slices = t.gradient_accumulation_steps * t.num_workers
+        self.micro_batches = len(range(p.rank, self.slices, p.world_size))  # this rank's, per step
+        self.loss_weight = p.world_size / self.slices  # 1/K at full size; DDP then averages over the ranks
+        samples = t.batch_size * self.slices
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
                            paused=lambda: self.checkpoints.seconds,
-                           update_allowed=self.parallel.update_allowed, agree=self.parallel.agree,
+                           update_allowed=self.parallel.update_allowed, agree=self.parallel.agree, summed=self.parallel.sum_,
                            hold=self.parallel.hold)
 
     def track(self, tracker: Any) -> None:
@@ -309,12 +317,16 @@ class Job:
         return schema.build(node, "optimizer", params)
 
     def train_batch(self, step: int, micro: int = 0):
-        """This worker's share of micro-batch `micro` of 1-based `step`, from the seeded order:
-        global batch number (step-1) x K + micro, so that K micro-batches of B on N workers read
-        exactly the samples of one batch of K x N x B."""
+        """This worker's micro-batch `micro` (of its `micro_batches`) of 1-based `step`, from the
+        seeded order. Slice f of the step's `slices` is part f mod num_workers of global batch
+        (step-1) x K + f div num_workers (K = gradient_accumulation_steps), and this rank's micro-th
+        slice is f = micro x N + rank with N workers present: at full size (N = num_workers) rank r
+        reads part r of the step's K global batches, as ORT's TrainingRunner shards them, and with
+        fewer workers the same slices are read, by fewer ranks."""
         t, p = self.trainer, self.parallel
-        position = (step - 1) * t.gradient_accumulation_steps + micro
-        return self.data.train_batch(position, t.batch_size, t.seed, p.rank, p.world_size)
+        flat = micro * p.world_size + p.rank
+        position = (step - 1) * t.gradient_accumulation_steps + flat // t.num_workers
+        return self.data.train_batch(position, t.batch_size, t.seed, flat % t.num_workers, t.num_workers)
 
     def registration(self):
         """Where the final model is registered (tracking.register_model), None: not registered. The

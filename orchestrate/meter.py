@@ -38,11 +38,22 @@ def nonfinite(loss):
     return loss.isfinite().logical_not().float()
 
 
+def world_sizes(history: dict[str, list[tuple[int, float]]]) -> list[int]:
+    """The worker counts a run trained with, in order: its `world_size` metric (the runner logs it
+    at each display step), each change once."""
+    sizes: list[int] = []
+    for _, value in history.get("world_size", []):
+        if not sizes or sizes[-1] != int(value):
+            sizes.append(int(value))
+    return sizes
+
+
 class Meter:
     def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
                  update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite,
                  agree: Callable[[bool], bool] = lambda flag: flag,
+                 summed: Callable[[list[float]], list[float]] = lambda values: values,
                  hold: Callable[[Any, Callable], Any] = lambda loss, grads: nonfinite(loss)):
         self.trainer, self.name, self.lr, self.out_dir = trainer, name, lr, out_dir
         self.samples_per_step = samples_per_step  # the runner: batch x accumulation x workers
@@ -51,6 +62,7 @@ class Meter:
         self.paused = paused  # seconds spent outside the steps (checkpoints), left out of step times
         self.update_allowed = update_allowed  # the runner's workers decide alike (Parallel.update_allowed)
         self.agree = agree  # Parallel.agree: true when true on every rank
+        self.summed = summed  # Parallel.sum_: numbers summed over the ranks (the logged loss is the global batch's)
         self.hold = hold  # Parallel.hold: update_allowed's answer on the device, as a flag (1.0: hold)
         # A pruning sweep's trial (orchestrate.sweeps.pruning.Trial) on every rank, or None: it is
         # told each evaluation (on the rank that evaluates) and its pruner may end the run early.
@@ -173,7 +185,10 @@ class Meter:
         """Log the display window that ends at `step`: mean loss, throughput, step time, rate."""
         now, paused = time.perf_counter(), self.paused()
         seconds = now - self._window_start - self._excluded - (paused - self._paused_at_start)
-        mean_loss = self._window_loss / self._window_losses if self._window_losses else math.nan
+        # Each rank's losses are weighted (Job.loss_weight) so that their mean over the ranks is the
+        # loss of the step's whole global batch: that mean is what is logged, at any worker count.
+        loss, losses = self.summed([self._window_loss, self._window_losses])
+        mean_loss = loss / losses if losses else math.nan
         metrics = {
             "train/loss": mean_loss,
             "perf/samples_per_sec": self._window_steps * self.samples_per_step / seconds,

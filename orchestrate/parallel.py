@@ -36,6 +36,10 @@ class Parallel:
         """At display steps: how far apart the workers' parameters are (nothing to compare alone)."""
         return {}
 
+    def sum_(self, values: list[float]) -> list[float]:
+        """`values` summed element by element over the workers: alone, themselves."""
+        return values
+
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker: alone, the flag itself."""
         return flag

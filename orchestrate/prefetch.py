@@ -17,7 +17,7 @@ class DeviceBatches:
 
     def __init__(self, job):
         self.job, self.device = job, job.device
-        self.micro_steps = job.trainer.gradient_accumulation_steps
+        self.micro_steps = job.micro_batches
         self.last_step = job.trainer.max_steps
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ahead: tuple[tuple[int, int], tuple[torch.Tensor, ...]] | None = None  # (step, micro), batch: copying

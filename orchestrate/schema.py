@@ -134,12 +134,21 @@ class TrainerConf:
     on_nonfinite: NonFinite = NonFinite.stop  # a nan or inf loss (or gradient norm, at display steps)
     progress: bool = True  # progress bar on the console
     num_workers: Annotated[int, AT_LEAST_1] = 1  # data-parallel workers (backend=runner)
+    # Elastic (backend=runner): start once this many workers fit, grow toward num_workers as nodes
+    # join, shrink (down to it) when one leaves; null: always num_workers. batch_size stays per
+    # worker at num_workers, so a step's global batch is the same at any size.
+    min_workers: Annotated[Optional[int], AT_LEAST_1] = None
     gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = 1  # micro-batches per weight update (backend=runner)
     # "auto": continue the newest unfinished MLflow run with this same config from its latest
     # checkpoint (a fresh run when there is none); a run id: continue that run. Same MLflow run,
     # each step logged once.
     resume: Optional[str] = None
     tensorboard: bool = False  # also write TensorBoard event files to <outputs>/tensorboard
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the runner's worker count may change during the run (min_workers below num_workers)."""
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
     def due(self, step: int, period: int) -> bool:
         """Periodic work happens every `period` steps and always after the last one."""
@@ -221,6 +230,10 @@ def check(cfg: DictConfig) -> None:
     t = cfg.trainer
     for key, declared in ranges_of(TrainerConf).items():
         check_value(f"trainer.{key}", t[key], declared)
+    if t.min_workers is not None and t.min_workers > t.num_workers:
+        raise ConfigError(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={t.num_workers}: an "
+                          "elastic run starts with min_workers and grows to num_workers; allowed: min_workers from 1 "
+                          f"to {t.num_workers}")
     if t.warmup_steps >= t.max_steps and t.lr_schedule != LRSchedule.constant:
         raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be below trainer.max_steps={t.max_steps}")
     fused_adam = str(cfg.optimizer.get("_target_", "")).endswith("FusedAdam")

@@ -253,7 +253,7 @@ def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_ste
     probe.backend = node
     t = probe.trainer
     t.max_steps, t.display_loss_steps = warmup_steps + probe_steps, warmup_steps
-    t.num_workers, t.gradient_accumulation_steps = 1, 1
+    t.num_workers, t.min_workers, t.gradient_accumulation_steps = 1, None, 1
     t.lr_schedule, t.warmup_steps = "constant", 0
     t.progress, t.tensorboard, t.resume = False, False, None
     return probe

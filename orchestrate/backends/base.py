@@ -49,6 +49,9 @@ class Backend(ABC):
             raise ConfigError(f"trainer.num_workers={t.num_workers} and trainer.gradient_accumulation_steps="
                               f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
                               "in one process with one batch per step")
+        if not self.distributed and t.min_workers is not None:
+            raise ConfigError(f"trainer.min_workers={t.min_workers}: an elastic worker count needs backend=runner; "
+                              f"backend={self.name} trains in one process (drop it with ~trainer.min_workers)")
 
     def check_resume(self, job) -> None:
         """trainer.resume needs a backend that loads its checkpoints to continue (`resumable`)."""

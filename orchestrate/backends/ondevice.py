@@ -349,7 +349,7 @@ class OnDeviceBackend(Backend):
         # tests/backends/test_parity.py checks the rates against torch's LambdaLR.
         scheduler = (LinearLRScheduler(optimizer, t.max_steps, t.warmup_steps, job.lr)
                      if t.lr_schedule == LRSchedule.linear else None)
-        K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
+        K = job.micro_batches  # this rank's micro-batches a step: above 1 only on the runner's workers
         sync = Averaging(job)
         # ORT's Dropout draws from one process-wide generator, whose position no checkpoint holds;
         # set_seed restarts it. Seeded from (seed, step) at every step, a step draws the same masks
@@ -373,7 +373,7 @@ class OnDeviceBackend(Backend):
             # A nan or inf loss stops the run here, before the weights change (or, with
             # trainer.on_nonfinite=skip, drops this update): every rank decides alike. (ORT hands
             # the loss back in host memory: reading it costs nothing.)
-            if not meter.record(step, loss_sum / K, grad_norm,
+            if not meter.record(step, loss_sum * job.loss_weight, grad_norm,
                                 grads=lambda: [torch.from_numpy(p.grad) for _, p in state.parameters if p.requires_grad]):
                 optimizer.step()
             if scheduler is not None:
@@ -452,7 +452,7 @@ class Averaging:
 
     def __init__(self, job):
         self.job, self.parallel, self.every = job, job.parallel, job.parallel.average_every
-        self.K, self.world = job.trainer.gradient_accumulation_steps, job.parallel.world_size
+        self.K, self.world, self.slices = job.micro_batches, job.parallel.world_size, job.slices
 
     def before_update(self, step: int, state) -> float | None:
         """All-reduce (or average over micro-batches) the gradients; at display steps log their
@@ -470,7 +470,9 @@ class Averaging:
         if reduce:
             self.parallel.all_reduce_(flat)
         if reduce or self.K > 1:
-            flat /= (self.world if reduce else 1) * self.K  # ORT sums the K micro-batches: make it the mean
+            # ORT sums the micro-batches' gradients: the mean over the step's global batch (all the
+            # ranks' slices), or with parameter averaging over this rank's own micro-batches.
+            flat /= self.slices if reduce else self.K
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

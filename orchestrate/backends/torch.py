@@ -54,7 +54,7 @@ class TorchBackend(Backend):
         if self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)  # restored when the run ends (orchestrate.process)
         meter, parallel, device, t = job.meter, job.parallel, job.device, job.trainer
-        K = t.gradient_accumulation_steps  # above 1 only on the runner's workers
+        K, weight = job.micro_batches, job.loss_weight  # this rank's micro-batches a step (above 1 on the runner)
         state = job.resume_state
         if state is not None:
             job.model.load_state_dict(state["model"])  # before wrapping: ORTModule exports these weights
@@ -95,8 +95,8 @@ class TorchBackend(Backend):
                 with parallel.accumulating(model, last=micro == K - 1):
                     with autocast:
                         loss = loss_fn(model(x), y)
-                    if K > 1:  # the mean over the K micro-batches (no extra op on the usual path)
-                        loss = loss / K
+                    if weight != 1:  # the mean over the step's global batch (no extra op on the usual path)
+                        loss = loss * weight
                     scaler.scale(loss).backward()
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             display, grad_norm = meter.displaying(step), None

@@ -60,6 +60,12 @@ class Workers(Parallel):
             return torch.zeros((), device=self.device)
         return nonfinite(torch.nn.utils.get_total_norm(found))
 
+    def sum_(self, values: list[float]) -> list[float]:
+        """`values` summed element by element over the workers (one SUM all-reduce, in float64)."""
+        summed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.tolist()
+
     def agree(self, flag: bool) -> bool:
         """True when `flag` is true on every worker (one MIN all-reduce of one int)."""
         value = torch.tensor([1 if flag else 0], device=self.device)

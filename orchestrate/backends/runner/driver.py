@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import ort, process, ray_cluster, schema, stack
 from orchestrate.backends.base import Backend, backend_config, backends
-from orchestrate.meter import Diverged
+from orchestrate.meter import Diverged, world_sizes
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
 from orchestrate.thirdparty import ray_train_signals_to
 from orchestrate.tracking.stores import absolute_uri
@@ -83,21 +83,27 @@ def ray_environment() -> None:
 
 
 @contextlib.contextmanager
-def train_environment() -> Iterator[None]:
+def train_environment(start_timeout_s: float | None = None) -> Iterator[None]:
     """Settings Ray Train's controller takes from the driver's environment when `fit` starts it
-    (Ray Train hands a fixed list of its variables on), put back afterwards. On the local Ray
-    started here (`ray_cluster.can_grow` is False) there is no preemption watcher: it polls for
-    nodes that an autoscaler or a cloud is draining, which this instance does not have, and its
-    start prints a `core_worker.cc` error line about the watcher's own restart settings on every
-    run. A value of the user's is left as it is."""
-    name = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-    before = os.environ.get(name)
-    if before is None and not ray_cluster.can_grow():
-        os.environ[name] = "0"
+    (Ray Train hands a fixed list of its variables on), put back afterwards. A value of the
+    user's is left as it is.
+    - On the local Ray started here (`ray_cluster.can_grow` is False) there is no preemption
+      watcher: it polls for nodes that an autoscaler or a cloud is draining, which this instance
+      does not have, and its start prints a `core_worker.cc` error line about the watcher's own
+      restart settings on every run.
+    - `start_timeout_s` (an elastic run: backend.placement_timeout_s) bounds each start of the
+      worker group. Right after a node is lost Ray Train may still count it and size the new group
+      for it; that start waits this long (Ray's default: 60 s), then the group starts at the size
+      that fits."""
+    wanted = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": None if ray_cluster.can_grow() else "0",
+              "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": None if start_timeout_s is None else f"{start_timeout_s:g}"}
+    set_here = [name for name, value in wanted.items() if value is not None and name not in os.environ]
+    for name in set_here:
+        os.environ[name] = wanted[name]
     try:
         yield
     finally:
-        if before is None:
+        for name in set_here:
             os.environ.pop(name, None)
 
 
@@ -115,6 +121,9 @@ class RunnerBackend(Backend):
     ray_address: Optional[str]  # an existing Ray cluster ("auto", "ray://..."); None: a local one
     placement_strategy: str  # how workers spread over nodes: one of STRATEGIES
     placement_timeout_s: Annotated[float, ABOVE_0]  # give up (with what was asked and what is free) if not placed by then
+    # trainer.min_workers (elastic): how often Ray Train looks for room to grow the worker group
+    # (its elastic_resize_monitor_interval_s); a default, so that a user's own runner file may leave it out.
+    resize_interval_s: Annotated[float, ABOVE_0] = dataclasses.field(default=60.0, kw_only=True)
     storage_path: Optional[str]  # Ray Train's checkpoint copies; shared storage on a multi-node cluster
     max_failures: Annotated[int, AT_LEAST_0]  # worker failures survived: all workers restart from the latest checkpoint
     average_every: Annotated[int, AT_LEAST_0]  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
@@ -179,6 +188,10 @@ class RunnerBackend(Backend):
         if self.average_every and not (engine.averaging or engine.chooses):
             raise ConfigError(f"backend.average_every needs an engine that averages parameters (backend.engine="
                               f"ondevice); backend.engine={self.engine} all-reduces gradients every update")
+        if t.elastic and self.average_every:
+            raise ConfigError(f"trainer.min_workers={t.min_workers} and backend.average_every={self.average_every}: "
+                              "with parameter averaging each rank trains on its own between averagings, so a run "
+                              "that changes its worker count would not train as a fixed-size one; drop one of them")
         if self.use_gpu != (t.device == Device.cuda):
             raise ConfigError(f"backend.use_gpu={str(self.use_gpu).lower()} and trainer.device={t.device.value} "
                               "disagree: set both (use_gpu=true with device=cuda) or neither")
@@ -190,12 +203,14 @@ class RunnerBackend(Backend):
             except ray_cluster.RayUnavailable as e:
                 raise ConfigError(str(e)) from None
             return
-        # This machine, or the warm head on it: no autoscaler, what it has is all it will have.
-        wanted = t.num_workers * self.cpus_per_worker
+        # This machine, or the warm head on it: no autoscaler, what it has is all it will have (an
+        # elastic run needs room for its minimum; it grows as far as the rest goes).
+        key, least = ("trainer.min_workers", t.min_workers) if t.elastic else ("trainer.num_workers", t.num_workers)
+        wanted = least * self.cpus_per_worker
         warm = None if self.in_driver(t.num_workers) else stack.found()
         have, where = (warm.num_cpus, "the warm Ray head (orchestrate up)") if warm else (os.cpu_count() or 1, "this machine")
         if wanted > have:
-            raise ConfigError(f"trainer.num_workers={t.num_workers} x backend.cpus_per_worker="
+            raise ConfigError(f"{key}={least} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
 
     def in_driver(self, num_workers: int) -> bool:
@@ -241,11 +256,12 @@ class RunnerBackend(Backend):
         process.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
         stopped = _STOPPED_RUNS.set([])
         try:
-            n = job.trainer.num_workers
+            t = job.trainer  # an elastic run starts once its minimum fits
+            key, n = ("trainer.min_workers", t.min_workers) if t.elastic else ("trainer.num_workers", t.num_workers)
             bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
             try:
                 ray_cluster.wait_for_placement([bundle] * n, self.placement_strategy, self.placement_timeout_s,
-                                               asked=f"trainer.num_workers={n}: {n} worker(s)",
+                                               asked=f"{key}={n}: {n} worker(s)",
                                                timeout_key="backend.placement_timeout_s")
             except ray_cluster.PlacementError as e:
                 raise ConfigError(str(e)) from None
@@ -297,7 +313,8 @@ class RunnerBackend(Backend):
         # the controller (it stops the workers) and shuts down a Ray started here.
         controllers: list = []
         try:
-            with train_environment(), quiet_local_mode(in_driver):
+            with train_environment(self.placement_timeout_s if job.trainer.elastic else None), \
+                    quiet_local_mode(in_driver):
                 trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
                 ray_train_signals_to(trainer, controllers.append)  # handed the controller actor
                 result = trainer.fit()
@@ -317,6 +334,9 @@ class RunnerBackend(Backend):
         job.meter.final.update(summary["final"])
         if summary.get("not_registered") and job.meter.tracker is not None:  # the run ends FAILED, exit 1
             job.meter.tracker.outbox.not_registered.extend(summary["not_registered"])
+        sizes = world_sizes(job.meter.history)
+        if tracker is not None and len(sizes) > 1:  # an elastic run's sizes, in order, beside its resized_at_* tags
+            tracker.set_tags({"world_sizes": " -> ".join(map(str, sizes))})
         if summary.get("diverged"):  # the workers stopped together, without a failure for Ray to retry
             raise Diverged(*summary["diverged"])
 
@@ -325,12 +345,18 @@ class RunnerBackend(Backend):
         from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        t = job.trainer
+        # num_workers=0: Ray Train's local mode, the function called in this process; (min, max):
+        # elastic, started with as many as fit from min on, resized (a restart of every worker
+        # from the latest checkpoint) when the count that fits changes, looked at every
+        # resize_interval_s.
+        workers = 0 if in_driver else (t.min_workers, t.num_workers) if t.elastic else t.num_workers
         return TorchTrainer(
             loop, train_loop_config=config,
-            # num_workers=0: Ray Train's local mode, the function called in this process.
-            scaling_config=ScalingConfig(num_workers=0 if in_driver else job.trainer.num_workers, use_gpu=self.use_gpu,
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=self.use_gpu,
                                          resources_per_worker={"CPU": self.cpus_per_worker},
-                                         placement_strategy=self.placement_strategy),
+                                         placement_strategy=self.placement_strategy,
+                                         elastic_resize_monitor_interval_s=self.resize_interval_s),
             run_config=RunConfig(
                 name=f"runner-{run_id or 'untracked'}",
                 storage_path=self.storage_path or str((job.out_dir / "ray").resolve()),

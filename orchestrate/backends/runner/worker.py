@@ -79,7 +79,13 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         job.resume_state = resume_state(config, engine)
     job.meter.trial = config["trial"]  # a pruning sweep's trial, on every rank (Meter.stop_early)
     reporter = Reporter(job.parallel)
-    job.meter.on_display = reporter.metrics
+
+    def on_display(step: int, metrics: dict[str, float]) -> None:
+        if rank == 0:  # the worker count over steps: an elastic run's resizes show on its chart
+            job.meter.log({"world_size": world}, step)
+        reporter.metrics(step, metrics)
+
+    job.meter.on_display = on_display
     if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
         job.checkpoints.on_save = reporter.checkpoint
     if rank == 0 and config["run_id"]:
@@ -88,6 +94,7 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], record=False)
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
         job.meter.continue_history(job.meter.tracker.logged_history())
+        tag_resize(job, world)
     tag_workers(job, rank, world)
     if rank == 0:
         job.meter.log({"world_size": world, "effective_batch_size": job.meter.samples_per_step}, step=0)
@@ -167,6 +174,17 @@ def resume_state(config: dict, engine) -> dict | None:
     if isinstance(config["resume"], ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
         return ray.get(config["resume"])
     return config["resume"]  # the same, handed over in the driver's own process (or None)
+
+
+def tag_resize(job, world: int) -> None:
+    """On rank 0 of a restarted worker group whose size differs from the last one the run logged
+    (an elastic run that grew or shrank): the tag `resized_at_<step>` = "<before> -> <now>",
+    `<step>` the first step this size trains."""
+    logged = job.meter.history.get("world_size")
+    if not logged or int(logged[-1][1]) == world:
+        return
+    first = (job.resume_state or {}).get("step", 0) + 1
+    job.meter.tracker.set_tags({f"resized_at_{first}": f"{int(logged[-1][1])} -> {world}"})
 
 
 def tag_workers(job, rank: int, world: int) -> None:
