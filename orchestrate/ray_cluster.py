@@ -315,16 +315,13 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
-    from orchestrate.thirdparty import RAY_TOKEN_SETUP_LOGGER, ray_cluster_metadata, ray_enable_token_auth
+    from orchestrate.thirdparty import ray_cluster_metadata
 
+    # With this process's token mode as `ray.init` will have it: for an address it is named
+    # (RAY_AUTH_MODE=token), never turned on by a token file on this machine (Ray 2.60's ray.init
+    # does that only for a cluster it finds itself; a token mode the cluster does not share gets
+    # its Ray Train controller cancelled as it starts).
     allowed = "allowed: null (a new local Ray), auto, or the address of a running cluster"
-    quiet = logging.getLogger(RAY_TOKEN_SETUP_LOGGER)
-    quiet.addFilter(_no_early_notes)
-    try:
-        # What ray.init does first: a token on this machine and no mode named turns the mode on.
-        ray_enable_token_auth()
-    finally:
-        quiet.removeFilter(_no_early_notes)
     try:
         with _cpp_lines_to_log():
             metadata = json.loads(ray_cluster_metadata(hostport, timeout_s).decode())

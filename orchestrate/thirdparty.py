@@ -53,10 +53,6 @@ INTERNALS = _listed({
     "RAY_TRAIN_CONTEXT_LOGGER": ("ray.train.v2._internal.execution.context",),
     # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import (ray_local_only)
     "ray_local_only": ("ray._private.ray_constants:ENABLE_RAY_CLUSTER",),
-    # ray.init's first step, done before it to check a cluster's token (ray_enable_token_auth)
-    "ray_enable_token_auth": (
-        "ray._private.authentication.authentication_token_setup:maybe_enable_token_auth_if_token_available",
-    ),
     "RAY_EARLY_LOGGERS": ("ray._private.worker",),
     # the worker output Ray prints on the driver (tap_ray_worker_output)
     "tap_ray_worker_output": (
@@ -179,15 +175,6 @@ def ray_local_only() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def ray_enable_token_auth() -> None:
-    """What `ray.init` does first, done before reading a cluster's metadata ourselves (to say in
-    seconds why a cluster refuses this process): with a token on this machine and no mode named,
-    token authentication is turned on. Ray has no public call for it."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def tap_ray_worker_output(take_markers: Callable[[list[str]], tuple[list[str], list[str]]],
