@@ -49,8 +49,8 @@ INTERNALS = _listed({
     ),
     # Ray Train's fit() installs its own SIGINT handler (ray_train_signals_to)
     "ray_train_signals_to": ("ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._register_sigint_handler",),
-    # Ray Train's per-report INFO line (RAY_TRAIN_CONTEXT_LOGGER)
-    "RAY_TRAIN_CONTEXT_LOGGER": ("ray.train.v2._internal.execution.context",),
+    # Ray Train's per-report INFO line, logged under its module's file name (quiet_ray_train_reports)
+    "quiet_ray_train_reports": ("ray.train.v2._internal.execution.context",),
     # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import (ray_local_only)
     "ray_local_only": ("ray._private.ray_constants:ENABLE_RAY_CLUSTER",),
     "RAY_EARLY_LOGGERS": ("ray._private.worker",),
@@ -96,10 +96,9 @@ INTERNALS = _listed({
 GRID_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs each job in this process
 # Ray's loggers whose notes (a SIGTERM handler not set, token authentication on) a Ray started on
-# another thread logs; and Ray Train's, which logs a line per report at INFO.
+# another thread logs.
 RAY_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_EARLY_LOGGERS = ("ray._private.worker", RAY_TOKEN_SETUP_LOGGER)
-RAY_TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
 
 
 # ---- ONNX Runtime and torch.onnx ---------------------------------------------------------------
@@ -225,8 +224,11 @@ def ray_cluster_metadata(hostport: str, timeout_s: float) -> bytes | None:
 
 
 def quiet_ray_train_reports() -> None:
-    """Ray Train's worker context logs a console line per `ray.train.report` at INFO: WARNING up."""
-    logging.getLogger(RAY_TRAIN_CONTEXT_LOGGER).setLevel(logging.WARNING)
+    """Ray Train's worker context logs a console line per `ray.train.report` at INFO: WARNING up.
+    Its logger is named after the module's file (`logging.getLogger(__file__)`), not its module."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 # ---- Optuna ----------------------------------------------------------------------------------------
