@@ -184,6 +184,9 @@ def explain(e: Exception, overrides: list[str], source: ConfigSource = ORCHESTRA
             allowed = f"; allowed: {', '.join(f'{bare}={o}' for o in options)}" if options else ""
             return f"{bare}: an override needs a value (KEY=VALUE, +KEY=VALUE to add, ~KEY to delete){allowed}"
     if isinstance(cause, ValidationError):
+        if cause.full_key == "trainer.num_workers" and str(cause.msg).startswith("Value '["):  # Ray Train's (min, max)
+            return (f"{cause.full_key}: {cause.msg.splitlines()[0]}; an elastic range is two keys: "
+                    "trainer.min_workers=MIN trainer.num_workers=MAX")
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         return f"{cause.full_key}: {cause.msg.splitlines()[0]}"

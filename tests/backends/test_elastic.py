@@ -24,6 +24,8 @@ from tests.conftest import ROOT
       "backend.average_every=5"], "trainer.min_workers=1 and backend.average_every=5"),
     (["backend=runner", "trainer.num_workers=2", "trainer.min_workers=1", "backend.resize_interval_s=0"],
      "backend.resize_interval_s=0"),
+    (["backend=runner", "trainer.num_workers=[2,4]"],  # Ray Train's (min, max), spelled as a list
+     "an elastic range is two keys: trainer.min_workers=MIN trainer.num_workers=MAX"),
     (["backend=runner", "trainer.num_workers=64", "trainer.min_workers=40"],
      "trainer.min_workers=40 x backend.cpus_per_worker=1 asks for 40 CPUs"),
 ])
