@@ -200,8 +200,9 @@ def read_back(client, watch: Watch, args) -> dict:
     expected = set(range(1, args.steps + 1))
     sizes = [(s, int(v)) for s, v in watch.history("world_size")]
     changes = [sizes[0]] + [(s, v) for (s, v), (_, before) in zip(sizes[1:], sizes) if v != before]
-    diffs = [abs(losses["elastic"][s] - losses["fixed"][s]) / max(abs(losses["fixed"][s]), 1e-12)
-             for s in sorted(expected) if s in losses["elastic"] and s in losses["fixed"]]
+    both = [s for s in sorted(expected) if s in losses["elastic"] and s in losses["fixed"]]
+    gaps = [abs(losses["elastic"][s] - losses["fixed"][s]) for s in both]
+    diffs = [gap / max(abs(losses["fixed"][s]), 1e-12) for gap, s in zip(gaps, both)]
     tags = runs["elastic"].data.tags
     return {
         "status": {name: r.info.status for name, r in runs.items()},
@@ -210,7 +211,8 @@ def read_back(client, watch: Watch, args) -> dict:
         "sizes": changes,  # (first step logged at this size, size)
         "resized_at": {k: v for k, v in tags.items() if k.startswith("resized_at_")},
         "world_sizes_tag": tags.get("world_sizes"),
-        "max_rel_diff": max(diffs), "final_rel_diff": diffs[-1],
+        # relative to the step's own loss (large where the loss is near 0), and to the first step's loss
+        "max_rel_diff": max(diffs), "final_rel_diff": diffs[-1], "max_diff_of_start": max(gaps) / losses["fixed"][1],
         "loss": {"fixed_first": losses["fixed"][1], "fixed_last": losses["fixed"][args.steps],
                  "elastic_last": losses["elastic"][args.steps]},
     }
@@ -240,7 +242,9 @@ def page(figures: dict) -> str:
         f"| `world_sizes` tag | {figures['world_sizes_tag']} |",
         f"| steps missing / logged twice (elastic) | {figures['missing']['elastic']} / {figures['twice']['elastic']} |",
         f"| steps missing / logged twice (fixed) | {figures['missing']['fixed']} / {figures['twice']['fixed']} |",
-        f"| largest relative loss difference at a step, elastic vs fixed | {figures['max_rel_diff']:.2e} |",
+        f"| largest loss difference at a step, elastic vs fixed, relative to that step's loss | "
+        f"{figures['max_rel_diff']:.2e} |",
+        f"| the same, relative to the first step's loss | {figures['max_diff_of_start']:.2e} |",
         f"| at the last step | {figures['final_rel_diff']:.2e} (loss {figures['loss']['fixed_first']:.4f} at step 1, "
         f"{figures['loss']['fixed_last']:.4f} fixed / {figures['loss']['elastic_last']:.4f} elastic at the last) |",
         f"| wall time, fixed / elastic | {figures['fixed_s']:.0f} s / {figures['elastic_s']:.0f} s |",

@@ -68,7 +68,7 @@ def sweep_command(args, address: str, uri: str, storage: str) -> list[str]:
             "tracking=server", f"tracking.uri={uri}", "backend=torch", "backend.intra_op_threads=1", "data=synthetic",
             "trainer=quick", f"trainer.max_steps={args.steps}", f"trainer.evaluation_period={args.eval_every}",
             "trainer.display_loss_steps=5", "trainer.checkpoint_period=0", "tracking.log_checkpoints=false",
-            f"model.hidden=[{args.width}]", "sweep.name=scale"]
+            f"model.hidden=[{args.width},{args.width}]", f"trainer.batch_size={args.batch_size}", "sweep.name=scale"]
 
 
 def occupancy(intervals: list[tuple[float, float]], slots: int) -> tuple[float, list[tuple[float, int]]]:
@@ -98,7 +98,7 @@ def run(args) -> dict:
         slots = args.nodes * args.cpus_per_node
         print(f"cluster up: {args.nodes} nodes x {args.cpus_per_node} CPU = {slots} slots ({cluster.address}); "
               f"MLflow {uri}", flush=True)
-        began = time.monotonic()
+        began, started_at = time.monotonic(), time.time()
         log = folder / "sweep.out"
         done = subprocess.run(sweep_command(args, cluster.address, uri, study_storage(folder)), cwd=folder,
                               stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=SWEEP_TIMEOUT_S,
@@ -106,7 +106,7 @@ def run(args) -> dict:
         wall = time.monotonic() - began
         if done.returncode != 0:
             raise SystemExit(f"the sweep exited {done.returncode}:\n{log.read_text()[-3000:]}")
-        return {**read_back(MlflowClient(uri), args, slots, wall), "args": vars(args) | {"out": str(args.out)}}
+        return {**read_back(MlflowClient(uri), args, slots, wall, started_at), "args": vars(args) | {"out": str(args.out)}}
     finally:
         cluster.shutdown()
         if ray.is_initialized():
@@ -115,7 +115,7 @@ def run(args) -> dict:
         server.wait(timeout=120)
 
 
-def read_back(client, args, slots: int, wall: float) -> dict:
+def read_back(client, args, slots: int, wall: float, started_at: float) -> dict:
     (experiment,) = [e for e in client.search_experiments() if e.name == "orchestrate"]
     runs = client.search_runs([experiment.experiment_id], max_results=5000)
     trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
@@ -129,7 +129,10 @@ def read_back(client, args, slots: int, wall: float) -> dict:
         logged = collections.Counter(m.step for m in client.get_metric_history(r.info.run_id, "train/loss"))
         lost += len(expected - set(logged))
         twice += sum(n - 1 for n in logged.values() if n > 1)
-    return {"trials": len(trials), "finished": sum(r.info.status == "FINISHED" for r in trials),
+    first, last = min(s for s, _ in intervals), max(e for _, e in intervals)
+    idle = slots * (last - first) - sum(e - s for s, e in intervals)  # slot-seconds between trials
+    return {"head_s": first - started_at, "tail_s": started_at + wall - last, "gap_s": idle / len(intervals),
+            "trials": len(trials), "finished": sum(r.info.status == "FINISHED" for r in trials),
             "pruned": sum("pruned" in r.data.tags for r in trials), "slots": slots, "wall_s": wall, "ideal_s": ideal,
             "wall_over_ideal": wall / ideal, "occupancy": share, "span_s": max(e for _, e in intervals) -
             min(s for s, _ in intervals), "mean_trial_s": sum(e - s for s, e in intervals) / len(intervals),
@@ -166,7 +169,8 @@ def page(figures: dict, picture: str) -> str:
         f"CPUs and {a['nodes']} nodes of {a['cpus_per_node']} CPU; each trial takes 1 CPU: {figures['slots']} slots. "
         "The study is in the PostgreSQL of an `orchestrate server` started by the script, which also serves MLflow.",
         "",
-        f"Trials: `backend=torch data=synthetic model.hidden=[{a['width']}] trainer.max_steps={a['steps']} "
+        f"Trials: `backend=torch data=synthetic model.hidden=[{a['width']},{a['width']}] trainer.batch_size={a['batch_size']} "
+        f"trainer.max_steps={a['steps']} "
         f"trainer.evaluation_period={a['eval_every']}`, the learning rate drawn by TPE, pruned by successive halving.",
         "",
         "| what | value | target |", "|---|---|---|",
@@ -190,9 +194,10 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--cpus-per-node", type=int, default=1)
-    p.add_argument("--steps", type=int, default=60, help="trainer.max_steps of a trial")
-    p.add_argument("--eval-every", type=int, default=10, help="trainer.evaluation_period: where the pruner looks")
-    p.add_argument("--width", type=int, default=64, help="the MLP's hidden width")
+    p.add_argument("--steps", type=int, default=300, help="trainer.max_steps of a trial")
+    p.add_argument("--eval-every", type=int, default=100, help="trainer.evaluation_period: where the pruner looks")
+    p.add_argument("--width", type=int, default=1024, help="the MLP's two hidden layers' width")
+    p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "scale.md")
     args = p.parse_args()
     figures = run(args)

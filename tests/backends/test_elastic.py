@@ -113,5 +113,5 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     assert figures["summary_workers"] == "workers            1 -> 2 -> 1 (of 1 to 2)"
     # The same samples and the same means a step; only the order of float sums differs (a worker's
     # two micro-batches summed in turn, or two workers' gradients all-reduced).
-    assert figures["max_rel_diff"] < 1e-4
+    assert figures["max_diff_of_start"] < 1e-5 and figures["final_rel_diff"] < 1e-3
     assert figures["loss"]["fixed_last"] < 0.5 * figures["loss"]["fixed_first"]
