@@ -181,6 +181,8 @@ def page(figures: dict, picture: str) -> str:
         f"| wall / ideal | {figures['wall_over_ideal']:.2f} | at most 1.25 ({verdict(figures['wall_over_ideal'] <= 1.25)}) |",
         f"| occupancy, first start to last end ({figures['span_s']:.0f} s) | {figures['occupancy']:.1%} | above 85% "
         f"({verdict(figures['occupancy'] > 0.85)}) |",
+        f"| before the first trial's run / after the last one's | {figures['head_s']:.1f} s / {figures['tail_s']:.1f} s | |",
+        f"| idle slot time per trial (its launch, the run's set-up before MLflow opens it) | {figures['gap_s']:.2f} s | |",
         "",
         f"![busy slots over time]({picture})",
         "",
