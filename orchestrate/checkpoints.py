@@ -44,6 +44,7 @@ class Checkpoints:
         self.sample = sample  # the data's sample batch (numpy), for the signature of each checkpoint's model
         self.on_save: Callable[[int, Path | None], None] | None = None
         self.seconds = 0.0  # time spent writing: the meter leaves it out of the step times
+        self.requested: int | None = None  # a step made a checkpoint step (`request`)
 
     def save(self, step: int, write: Callable[[Path], None], suffix: str,
              export: Callable[[Path], None] | None = None) -> Path | None:
@@ -52,7 +53,7 @@ class Checkpoints:
         is also a model: `export(path)` writes it as ONNX, logged as the LoggedModel
         `checkpoint-<step>` linked to its step and last evaluation, as MLflow's deep-learning guide
         logs checkpoints (the last step's is the run's own model: Job.export_model)."""
-        if not self.trainer.due(step, self.trainer.checkpoint_period):
+        if not (self.trainer.due(step, self.trainer.checkpoint_period) or step == self.requested):
             return None
         began = time.perf_counter()
         path = None
@@ -90,6 +91,11 @@ class Checkpoints:
         self.seconds += time.perf_counter() - began
         return path
 
+
+    def request(self, step: int) -> None:
+        """Make `step` a checkpoint step too (its `save`, later in the same step, writes one): the
+        runner's just-in-time checkpoint when a node of the run is about to go."""
+        self.requested = step
 
     def _not_written(self, step: int, suffix: str, error: Exception) -> str:
         kept = latest(self.folder)

@@ -160,8 +160,15 @@ def run(args) -> dict:
         at_max = min(s for s, size in watch.history("world_size") if s >= grown and size == args.max)
         event(f"trains with {args.max} workers", step=at_max)
         watch.wait(f"{args.shrink_after} steps at {args.max} workers", lambda: watch.step() >= at_max + args.shrink_after)
-        event("a node is killed", step=watch.step())
-        cluster.remove_node(nodes.pop())
+        leaving = nodes.pop()
+        if args.shrink == "drain":  # a planned removal, as a spot reclaim or a scale-down announces it
+            event(f"a node is drained (deadline {args.drain_deadline} s), then removed", step=watch.step())
+            drain(cluster.address, leaving.node_id, args.drain_deadline)
+            watch.wait("the run without the drained node", lambda: watch.size_at_or_after(at_max) == args.max - 1)
+            event(f"trains with {args.max - 1} workers", step=watch.step())
+        else:
+            event("a node is killed", step=watch.step())
+        cluster.remove_node(leaving)
         finish(proc, folder, "elastic")
         elastic_s = time.monotonic() - elastic_began
         event("elastic run finished", seconds=round(elastic_s, 1))
@@ -175,6 +182,15 @@ def run(args) -> dict:
             ray.shutdown()
         server.stop()
         forget_address(cluster)
+
+
+def drain(address: str, node_id: str, deadline_s: int) -> None:
+    """Ask the cluster to drain a node for preemption with a deadline (Ray's `ray drain-node`, the
+    call a cloud's reclaim notice or Ray's autoscaler makes): Ray Train tells the workers, which
+    checkpoint at once, and restarts without the node at the deadline."""
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node", f"--address={address}",
+                    f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                    "--reason-message=scripts/elastic.py", f"--deadline-remaining-seconds={deadline_s}"], check=True)
 
 
 def forget_address(cluster) -> None:
@@ -204,6 +220,8 @@ def read_back(client, watch: Watch, args) -> dict:
     gaps = [abs(losses["elastic"][s] - losses["fixed"][s]) for s in both]
     diffs = [gap / max(abs(losses["fixed"][s]), 1e-12) for gap, s in zip(gaps, both)]
     tags = runs["elastic"].data.tags
+    kept = [int(a.path.split("step_")[1].split(".")[0]) for a in
+            client.list_artifacts(runs["elastic"].info.run_id, "checkpoints") if "step_" in a.path]
     return {
         "status": {name: r.info.status for name, r in runs.items()},
         "missing": {name: len(expected - set(c)) for name, c in counts.items()},
@@ -211,6 +229,8 @@ def read_back(client, watch: Watch, args) -> dict:
         "sizes": changes,  # (first step logged at this size, size)
         "resized_at": {k: v for k, v in tags.items() if k.startswith("resized_at_")},
         "world_sizes_tag": tags.get("world_sizes"),
+        # checkpoints off trainer.checkpoint_period: the one a drain notice asked for
+        "drain_checkpoints": sorted(s for s in kept if s % args.checkpoint_period and s < args.steps),
         # relative to the step's own loss (large where the loss is near 0), and to the first step's loss
         "max_rel_diff": max(diffs), "final_rel_diff": diffs[-1], "max_diff_of_start": max(gaps) / losses["fixed"][1],
         "loss": {"fixed_first": losses["fixed"][1], "fixed_last": losses["fixed"][args.steps],
@@ -240,6 +260,8 @@ def page(figures: dict) -> str:
         f"| elastic run's sizes (MLflow `world_size`) | {sizes} |",
         f"| `resized_at_*` tags | {', '.join(f'{k} = {v}' for k, v in sorted(figures['resized_at'].items()))} |",
         f"| `world_sizes` tag | {figures['world_sizes_tag']} |",
+        f"| checkpoints written on the drain notice (off the period of {a['checkpoint_period']}) | "
+        f"{', '.join(f'step {s}' for s in figures['drain_checkpoints']) or 'none'} |",
         f"| steps missing / logged twice (elastic) | {figures['missing']['elastic']} / {figures['twice']['elastic']} |",
         f"| steps missing / logged twice (fixed) | {figures['missing']['fixed']} / {figures['twice']['fixed']} |",
         f"| largest loss difference at a step, elastic vs fixed, relative to that step's loss | "
@@ -271,7 +293,11 @@ def main() -> int:
     p.add_argument("--max", type=int, default=4)
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--grow-at", type=int, default=100, help="nodes join once the run logged this step")
-    p.add_argument("--shrink-after", type=int, default=100, help="a node is killed this many steps after the growth")
+    p.add_argument("--shrink-after", type=int, default=100, help="a node leaves this many steps after the growth")
+    p.add_argument("--shrink", choices=["drain", "kill"], default="drain",
+                   help="drain: the node is drained first (a preemption notice with a deadline), then removed; "
+                        "kill: removed without notice")
+    p.add_argument("--drain-deadline", type=int, default=10)
     p.add_argument("--width", type=int, default=1024, help="the MLP's hidden width (sets the step time)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker at --max workers")
     p.add_argument("--checkpoint-period", type=int, default=50)

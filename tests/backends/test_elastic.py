@@ -97,7 +97,7 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     """Ray's own `ray.cluster_utils.Cluster` on 127.0.0.1 (a head with no CPUs, one 1-CPU node per
     worker), driven by scripts/elastic.py at a small size (the full one writes docs/elastic.md):
     a fixed 2-worker run, then an elastic one (1 to 2 workers) that starts on 1 node, grows when a
-    second joins and shrinks when it is killed. Read back from MLflow: every step once, the sizes
+    second joins and shrinks when that one is drained (a preemption notice), then removed. Read back from MLflow: every step once, the sizes
     over steps, the tags, the loss at each step against the fixed run's."""
     out = tmp_path / "elastic.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "elastic.py"), "--min", "1", "--max", "2",
@@ -109,6 +109,12 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     assert figures["missing"] == {"fixed": 0, "elastic": 0} and figures["twice"] == {"fixed": 0, "elastic": 0}
     assert [size for _, size in figures["sizes"]] == [1, 2, 1]
     assert sorted(figures["resized_at"].values()) == ["1 -> 2", "2 -> 1"]
+    # The second node was drained before it went (a preemption notice): the run checkpointed at
+    # once, off its period, and the smaller group went on from that checkpoint or a later one
+    # (the workers train on until the drain's deadline).
+    (drained,) = figures["drain_checkpoints"]
+    (shrunk,) = [int(k.split("_")[-1]) for k, v in figures["resized_at"].items() if v == "2 -> 1"]
+    assert shrunk - 1 >= drained
     assert figures["world_sizes_tag"] == "1 -> 2 -> 1"
     assert figures["summary_workers"] == "workers            1 -> 2 -> 1 (of 1 to 2)"
     # The same samples and the same means a step; only the order of float sums differs (a worker's

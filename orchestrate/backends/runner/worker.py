@@ -79,10 +79,13 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         job.resume_state = resume_state(config, engine)
     job.meter.trial = config["trial"]  # a pruning sweep's trial, on every rank (Meter.stop_early)
     reporter = Reporter(job.parallel)
+    draining = DrainNotice(job) if job.trainer.elastic else None
 
     def on_display(step: int, metrics: dict[str, float]) -> None:
         if rank == 0:  # the worker count over steps: an elastic run's resizes show on its chart
             job.meter.log({"world_size": world}, step)
+        if draining is not None:
+            draining.check(step)
         reporter.metrics(step, metrics)
 
     job.meter.on_display = on_display
@@ -174,6 +177,28 @@ def resume_state(config: dict, engine) -> dict | None:
     if isinstance(config["resume"], ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
         return ray.get(config["resume"])
     return config["resume"]  # the same, handed over in the driver's own process (or None)
+
+
+class DrainNotice:
+    """An elastic run's planned shrink: when a node of the worker group is being drained (a spot
+    instance's reclaim notice, an autoscaler's scale-down; Ray Train's preemption watcher sees it),
+    this step ends with a checkpoint, so that the restart without that node repeats no work done
+    before the notice. Asked at display steps, on every rank (Ray Train's call is a barrier across
+    the workers), once per worker group. A grow gets no notice: Ray Train stops the workers at
+    once, and the new group goes on from the latest periodic checkpoint."""
+
+    def __init__(self, job):
+        self.job, self.noticed = job, False
+
+    def check(self, step: int) -> None:
+        import ray.train
+
+        if self.noticed or ray.train.get_preemption_info() is None:
+            return
+        self.noticed = True
+        self.job.checkpoints.request(step)
+        if self.job.parallel.logging:
+            logging.getLogger(__name__).warning(f"a node of this run is being drained: checkpoint at step {step}")
 
 
 def tag_resize(job, world: int) -> None:
