@@ -97,8 +97,9 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     """Ray's own `ray.cluster_utils.Cluster` on 127.0.0.1 (a head with no CPUs, one 1-CPU node per
     worker), driven by scripts/elastic.py at a small size (the full one writes docs/elastic.md):
     a fixed 2-worker run, then an elastic one (1 to 2 workers) that starts on 1 node, grows when a
-    second joins and shrinks when that one is drained (a preemption notice), then removed. Read back from MLflow: every step once, the sizes
-    over steps, the tags, the loss at each step against the fixed run's."""
+    second joins and shrinks when that one is drained (a preemption notice), then removed. Read
+    back from MLflow: every step once, the sizes over steps, the tags, the loss at each step
+    against the fixed run's."""
     out = tmp_path / "elastic.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "elastic.py"), "--min", "1", "--max", "2",
                            "--steps", "2000", "--width", "1024", "--grow-at", "30", "--shrink-after", "60",
