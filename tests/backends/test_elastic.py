@@ -102,7 +102,7 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     against the fixed run's."""
     out = tmp_path / "elastic.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "elastic.py"), "--min", "1", "--max", "2",
-                           "--steps", "2000", "--width", "1024", "--grow-at", "30", "--shrink-after", "60",
+                           "--steps", "1500", "--width", "1024", "--grow-at", "30", "--shrink-after", "60",
                            "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())

@@ -280,6 +280,7 @@ def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.cluster
+@long(stands_for="tests/backends/test_elastic.py::test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster")
 def test_a_two_node_cluster_on_loopback_runs_one_worker_per_node(tmp_path):
     """A real cluster: a head and a second node (`ray start`, 1 CPU each, 127.0.0.1 only); the
     command line is pointed at it and both nodes host a worker."""
