@@ -205,7 +205,7 @@ class RunnerBackend(Backend):
             return
         # This machine, or the warm head on it: no autoscaler, what it has is all it will have (an
         # elastic run needs room for its minimum; it grows as far as the rest goes).
-        key, least = ("trainer.min_workers", t.min_workers) if t.elastic else ("trainer.num_workers", t.num_workers)
+        key, least = starting_workers(t)
         wanted = least * self.cpus_per_worker
         warm = None if self.in_driver(t.num_workers) else stack.found()
         have, where = (warm.num_cpus, "the warm Ray head (orchestrate up)") if warm else (os.cpu_count() or 1, "this machine")
@@ -257,7 +257,7 @@ class RunnerBackend(Backend):
         stopped = _STOPPED_RUNS.set([])
         try:
             t = job.trainer  # an elastic run starts once its minimum fits
-            key, n = ("trainer.min_workers", t.min_workers) if t.elastic else ("trainer.num_workers", t.num_workers)
+            key, n = starting_workers(t)
             bundle = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
             try:
                 ray_cluster.wait_for_placement([bundle] * n, self.placement_strategy, self.placement_timeout_s,
@@ -388,6 +388,12 @@ def quiet_local_mode(in_driver: bool) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(before)
+
+
+def starting_workers(trainer) -> tuple[str, int]:
+    """The workers a run needs placed before it starts, and the key that sets them: an elastic
+    run's minimum (trainer.min_workers), else trainer.num_workers."""
+    return ("trainer.min_workers", trainer.min_workers) if trainer.elastic else ("trainer.num_workers", trainer.num_workers)
 
 
 def _in_driver(num_workers: int, ray_address: str | None, use_gpu: bool) -> bool:
