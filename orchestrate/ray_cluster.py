@@ -104,7 +104,7 @@ def _start(address: str | None, key: str, **local_options) -> bool:
             port = free_port()
             before = set_env({"RAY_GCS_SERVER_PORT": str(port)})  # Ray's own variable: the new head's port
             try:
-                ray.init(address="local", runtime_env=_knows_its_cluster(f"127.0.0.1:{port}", local), **options,
+                ray.init(address="local", runtime_env=runtime_env(f"127.0.0.1:{port}", local), **options,
                          **local_options)
             finally:
                 set_env(before)
@@ -112,25 +112,55 @@ def _start(address: str | None, key: str, **local_options) -> bool:
             global _LOCAL_SESSION
             _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
         else:
-            ray.init(address=address, runtime_env=_knows_its_cluster(address, local), **options)
+            ray.init(address=address, runtime_env=runtime_env(address, local), **options)
             _WARM = warm
     except ConnectionError as e:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                              "auto, or the address of a running cluster") from None
+    except ValueError as e:  # the working folder shipped to the cluster is past Ray's size limit
+        if "Package size" not in str(e):
+            raise
+        size = str(e).split("(")[1].split(")")[0]
+        raise RayUnavailable(f"{key}={address}: this folder ({os.getcwd()}, {size}) is shipped to the cluster's "
+                             f"workers and is past Ray's limit of {_mib(shipping_limit())}: run from your project's "
+                             "folder, or name what to leave out in its .gitignore or .rayignore") from None
     return True
 
 
-def _knows_its_cluster(address: str, local: bool) -> dict | None:
-    """The job's runtime environment: RAY_ADDRESS set in its workers to the cluster they run on.
-    Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's State API about the run's
-    controller with no address; with two Ray instances on the machine (a user's own `ray start`
-    beside this one) that lookup finds both, warns "Found multiple active Ray instances" every
-    second, and asks the other one, where the controller is unknown: the cleaner could then remove
-    the running workers' placement group. Only for a cluster on this machine (a local instance or
-    a loopback address); a remote cluster is the user's to configure."""
-    if not local or "://" in address or address == "auto":
+# What a command's working folder sends to the cluster's workers leaves out (gitignore patterns,
+# beside what the folder's own .gitignore and .rayignore name, which Ray reads itself): virtual
+# environments, version control, orchestrate's and MLflow's outputs and stores.
+NOT_SHIPPED = (".venv", "venv", ".git", "__pycache__", "outputs", "multirun", "mlruns", "mlartifacts", "mlflow-server",
+               "*.db", "*.db-journal", ".mlflow_outbox*", "mlflow_unsent.jsonl", "lightning_logs")
+
+
+def runtime_env(address: str, local: bool) -> dict | None:
+    """The job's runtime environment.
+    - On this machine (a local instance or a loopback address): RAY_ADDRESS set in its workers to
+      the cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
+      State API about the run's controller with no address; with two Ray instances on the machine
+      (a user's own `ray start` beside this one) that lookup finds both, warns "Found multiple
+      active Ray instances" every second, and asks the other one, where the controller is
+      unknown: the cleaner could then remove the running workers' placement group.
+    - A cluster elsewhere, whose other hosts share no disk with this one: the working folder (the
+      user's own modules: the model a `--config-dir` config names) goes to every worker, as `ray
+      job submit --working-dir` sends it, without NOT_SHIPPED; not inside a Ray job that was
+      submitted with a working folder of its own (the job's is the one)."""
+    if local:
+        return None if "://" in address or address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
+    submitted = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {}
+    if submitted.get("working_dir"):
         return None
-    return {"env_vars": {"RAY_ADDRESS": address}}
+    return {"working_dir": os.getcwd(), "excludes": list(NOT_SHIPPED)}
+
+
+def shipping_limit() -> int:
+    """Ray's largest package (a working folder) in bytes: its gRPC message limit."""
+    return int(os.environ.get("RAY_max_grpc_message_size", 512 * 2**20))
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
 
 
 # Lines Ray relays from its own processes to this driver's console that say nothing to act on;

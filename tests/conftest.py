@@ -224,3 +224,44 @@ def installed_wheel(tmp_path_factory) -> InstalledWheel:
            "PATH": os.pathsep.join([str(venv / "bin"), str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])}
     env.pop("PYTHONPATH", None)  # would put the checkout back on sys.path
     return InstalledWheel(wheel, python, venv / "bin", env)
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """Three test hosts that share nothing (tests/hosts.py): the driver's (hosts.head, with a Ray
+    head of no CPUs) and two with a 1-CPU Ray node each, in network and mount namespaces of their
+    own; started once, removed at the end. Without root or iproute2 the tests that need them
+    fail, saying so (.ci/run installs iproute2)."""
+    from tests.hosts import Hosts, cannot_start
+
+    why = cannot_start()
+    if why:
+        pytest.fail(why, pytrace=False)
+    with Hosts(3, ray_cpus=1) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def s3_on_hosts(hosts):
+    """An S3 API server (moto's server mode, as Ray's and pyarrow's own S3 tests use) on the
+    driver's host, which every host reaches; yields the AWS_* variables a driver sets, with the
+    bucket `checkpoints` made."""
+    from tests.hosts import port_on
+
+    port = port_on(hosts.head)
+    env = {"AWS_ENDPOINT_URL": f"http://{hosts.head.address}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = hosts.head.popen([str(Path(sys.executable).parent / "moto_server"), "-H", hosts.head.address, "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    make = ("import boto3, time\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            "        boto3.client('s3').create_bucket(Bucket='checkpoints'); break\n"
+            "    except Exception:\n"
+            "        time.sleep(0.2)\n"
+            "else:\n"
+            "    raise SystemExit('the S3 server did not answer')\n")
+    hosts.head.run([sys.executable, "-c", make], timeout=60, check=True, env={**os.environ, **env})
+    yield env
+    server.terminate()
+    server.wait(timeout=30)

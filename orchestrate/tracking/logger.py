@@ -60,14 +60,17 @@ class RunLogger:
         """The data's splits as the run's inputs (orchestrate.tracking.datasets); `record=False` only
         notes the eval split's name and digest (the runner's rank 0: the driver logged them)."""
         inputs = datasets.dataset_inputs(data, name)
-        for given in inputs:
-            if any(t.key == datasets.CONTEXT and t.value == "eval" for t in given.tags):
-                self.eval_dataset = (given.dataset.name, given.dataset.digest)
+        self.eval_dataset = eval_split(data, name, inputs) or self.eval_dataset
         if record and inputs:
             try:
                 self.client.log_inputs(self.run_id, datasets=inputs)
             except Exception as e:  # noqa: BLE001 - the run trains without its inputs listed
                 log.warning(f"the data was not logged as the run's inputs ({cause(e)})")
+
+    @property
+    def not_registered(self) -> list[str]:
+        """The models logged whose registration the store refused: the run fails with them."""
+        return self.outbox.not_registered
 
     def log_model(self, path: Path, sample, step: int, register: "models.Registration | None" = None,
                   name: str = "model") -> None:
@@ -136,6 +139,14 @@ class RunLogger:
         if sent:
             shutil.rmtree(self.staging, ignore_errors=True)
         return sent
+
+
+def eval_split(data, name: str, inputs: list | None = None) -> tuple[str, str] | None:
+    """(name, digest) of the data's eval split as the run's inputs list it, None without one."""
+    for given in datasets.dataset_inputs(data, name) if inputs is None else inputs:
+        if any(t.key == datasets.CONTEXT and t.value == "eval" for t in given.tags):
+            return given.dataset.name, given.dataset.digest
+    return None
 
 
 def link_or_copy(source, target) -> None:

@@ -52,6 +52,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import ort, process, ray_cluster, schema, stack
 from orchestrate.backends.base import Backend, backend_config, backends
+from orchestrate.backends.runner import relay as relays
+from orchestrate.backends.runner import storage
 from orchestrate.meter import Diverged, world_sizes
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
 from orchestrate.thirdparty import ray_train_signals_to
@@ -124,7 +126,7 @@ class RunnerBackend(Backend):
     # trainer.min_workers (elastic): how often Ray Train looks for room to grow the worker group
     # (its elastic_resize_monitor_interval_s); a default, so that a user's own runner file may leave it out.
     resize_interval_s: Annotated[float, ABOVE_0] = dataclasses.field(default=60.0, kw_only=True)
-    storage_path: Optional[str]  # Ray Train's checkpoint copies; shared storage on a multi-node cluster
+    storage_path: Optional[str]  # Ray Train's checkpoint copies: a folder, or s3://bucket/prefix; every host's (storage.py)
     max_failures: Annotated[int, AT_LEAST_0]  # worker failures survived: all workers restart from the latest checkpoint
     average_every: Annotated[int, AT_LEAST_0]  # 0 all-reduces gradients; N averages parameters every N updates (ondevice)
     check_replicas: bool  # log train/replica_divergence (largest parameter gap between ranks)
@@ -265,6 +267,9 @@ class RunnerBackend(Backend):
                                                timeout_key="backend.placement_timeout_s")
             except ray_cluster.PlacementError as e:
                 raise ConfigError(str(e)) from None
+            # Checkpoints every host reaches, before the run opens (a cluster of other hosts).
+            storage.check(storage.resolve(self.storage_path, job.out_dir), self.placement_timeout_s,
+                          "backend.placement_timeout_s")
             yield
         finally:
             # A stopped run's Ray Train run is aborted only now, after its MLflow run was marked
@@ -301,10 +306,14 @@ class RunnerBackend(Backend):
         # The checkpoint to resume from travels through Ray's object store: a worker on another
         # node cannot read the driver's disk (one in the driver takes it as it is).
         resume = job.resume_state
+        # What rank 0 logs goes through the driver's node (relay.py): the workers' hosts need not
+        # reach the tracking store (a SQLite file here, a server on this machine's 127.0.0.1).
+        uri = absolute_uri(tracker.uri) if tracker else None
+        relay = relays.start(uri, run_id, job.out_dir.resolve()) if tracker and not in_driver else None
         config = {"cfg": cfg, "engine": OmegaConf.to_container(self.engine_node()),
                   "out_dir": str(job.out_dir.resolve()), "run_id": run_id, "in_driver": in_driver,
                   "resume": ray.put(resume) if resume is not None and not in_driver else resume,
-                  "uri": absolute_uri(tracker.uri) if tracker else None,
+                  "uri": uri, "relay": relay,
                   "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
@@ -325,6 +334,10 @@ class RunnerBackend(Backend):
             if stopped is not None and not isinstance(e, process.Stopped):
                 raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
             raise
+        finally:
+            refused = relays.stop(relay) if relay is not None else []
+        if refused and tracker is not None:  # the run ends FAILED, exit 1
+            tracker.not_registered.extend(r for r in refused if r not in tracker.not_registered)
         if in_driver:
             summary = result.return_value
         else:
@@ -332,8 +345,8 @@ class RunnerBackend(Backend):
                 summary = json.loads((Path(folder) / SUMMARY_FILE).read_text())
         job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
         job.meter.final.update(summary["final"])
-        if summary.get("not_registered") and job.meter.tracker is not None:  # the run ends FAILED, exit 1
-            job.meter.tracker.outbox.not_registered.extend(summary["not_registered"])
+        if summary.get("not_registered") and tracker is not None:  # the run ends FAILED, exit 1
+            tracker.not_registered.extend(r for r in summary["not_registered"] if r not in tracker.not_registered)
         sizes = world_sizes(job.meter.history)
         if tracker is not None and len(sizes) > 1:  # an elastic run's sizes, in order, beside its resized_at_* tags
             tracker.set_tags({"world_sizes": " -> ".join(map(str, sizes))})
@@ -351,6 +364,7 @@ class RunnerBackend(Backend):
         # from the latest checkpoint) when the count that fits changes, looked at every
         # resize_interval_s.
         workers = 0 if in_driver else (t.min_workers, t.num_workers) if t.elastic else t.num_workers
+        kept = storage.resolve(self.storage_path, job.out_dir)
         return TorchTrainer(
             loop, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=self.use_gpu,
@@ -359,7 +373,7 @@ class RunnerBackend(Backend):
                                          elastic_resize_monitor_interval_s=self.resize_interval_s),
             run_config=RunConfig(
                 name=f"runner-{run_id or 'untracked'}",
-                storage_path=self.storage_path or str((job.out_dir / "ray").resolve()),
+                storage_path=kept.path, storage_filesystem=kept.filesystem,
                 failure_config=FailureConfig(max_failures=self.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1),
                 # Ray Train's own INFO lines (the controller's "Requesting resources" and "Started

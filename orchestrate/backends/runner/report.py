@@ -39,8 +39,10 @@ class Reporter:
             try:
                 checkpoint = ray.train.Checkpoint.from_directory(folder) if folder else None
                 ray.train.report(metrics, checkpoint=checkpoint)
-            except Exception as e:  # raised again in close(), on the training thread
-                self.error = e
+            except Exception as e:  # raised again on the training thread (close, or a checkpoint's wait)
+                with self.lock:
+                    self.error = e
+                    self.lock.notify_all()
                 return
             finally:
                 if folder:
@@ -75,6 +77,8 @@ class Reporter:
         self._put({"step": step})
         with self.lock:
             self.lock.wait_for(lambda: self.pending == 0 or self.error is not None)
+        if self.error is not None:
+            raise self.error
 
     def close(self, raise_error: bool = True) -> None:
         self.queue.put(None)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrate.backends.runner.collective import Workers
+from orchestrate.backends.runner.relay import RelayedLogger
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.meter import Diverged
 from orchestrate.thirdparty import quiet_ray_train_reports
@@ -92,7 +93,10 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
         job.checkpoints.on_save = reporter.checkpoint
     if rank == 0 and config["run_id"]:
-        job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])))
+        # In the driver's process: its own logger into the run. On a worker, whichever host it is on:
+        # the relay on the driver's node logs for it (relay.py).
+        job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])) if in_driver
+                  else RelayedLogger(config["relay"], config["run_id"]))
         # The driver logged the data as the run's inputs; the model's metrics name the eval split.
         job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], record=False)
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
@@ -123,7 +127,7 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         # Everything sent (or, with the server away past a bounded wait, written to the run's
         # folder) before the driver marks the run FINISHED: the store refuses points after that.
         job.meter.tracker.close()
-        refused = job.meter.tracker.outbox.not_registered
+        refused = job.meter.tracker.not_registered
     reporter.close()
     result = {"history": job.meter.history, "final": summary, "diverged": diverged, "not_registered": refused}
     if in_driver:

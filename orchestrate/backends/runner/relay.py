@@ -1,0 +1,168 @@
+"""The runner's tracking across hosts: rank 0 may run on any host of a Ray cluster, and whatever it
+logs reaches the MLflow run the driver opened through the driver's own machine, as Ray Tune's
+`MLflowLoggerCallback` logs from the driver. The workers need no access to the tracking store:
+a SQLite file beside the driver, or a server on the driver's 127.0.0.1, is as good as a team's
+server that every host reaches.
+
+    driver's node:  RunRelay (a Ray actor, no CPUs)  ->  RunLogger -> outbox -> MLflow
+    any node:       rank 0's RelayedLogger  ->  RunRelay   (Ray's own connection)
+
+The actor is placed on the driver's node (where the store is) and lives as long as the driver's
+`fit`: a worker group restarted after a failure, or resized, logs into the same relay. Calls from
+one worker run in the order it made them (Ray runs one caller's calls to an actor in order), and
+the actor keeps the outbox's promises (in order, exactly once, nothing lost while the server is
+away: what it never took is written to `mlflow_unsent.jsonl` in the driver's output folder).
+Files (checkpoints, ONNX models, TensorBoard's folder) travel as bytes in Ray's object store and
+are written beside the driver before they are logged. Training waits only where it waited before:
+a checkpoint's flush, the history a restarted rank 0 carries on, and the end.
+"""
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 300.0  # a relay call that answers (flush, history); the end waits as long as the outbox's close
+GONE = "the run's tracking relay on the driver's node"
+
+
+def start(uri: str, run_id: str, out_dir: Path):
+    """The relay for run `run_id` of the store at `uri`, on this process's own Ray node (the
+    driver's), taking no CPU from the workers."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, max_concurrency=1)(RunRelay)
+    return actor.options(scheduling_strategy=here, name=f"run-relay-{run_id}").remote(uri, run_id, str(out_dir))
+
+
+def stop(relay) -> list[str]:
+    """The relay's end (after the workers' own, or after they failed): what was left is sent or
+    kept, then the actor goes. Returns the models whose registration the store refused."""
+    import ray
+
+    try:
+        return ray.get(relay.close.remote(), timeout=CALL_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as e:  # gone with its node, or stuck: what it kept is its file
+        log.warning(f"{GONE} did not end in time ({type(e).__name__})")
+        return []
+    finally:
+        ray.kill(relay)
+
+
+class RunRelay:
+    """On the driver's node: one RunLogger into the driver's run, fed by rank 0's calls."""
+
+    def __init__(self, uri: str, run_id: str, out_dir: str):
+        from orchestrate import ort
+        from orchestrate.tracking.logger import RunLogger
+
+        ort.load()  # what ORT's import prints (a model's logging imports it) stays off the console
+
+        self.logger = RunLogger(uri, run_id, out_dir=Path(out_dir))
+        self.files = Path(tempfile.mkdtemp(prefix=f"relay-{run_id[:8]}-"))
+        self.count, self.closed, self.refused = 0, False, []
+
+    def _written(self, name: str, content: bytes | dict[str, bytes]) -> Path:
+        """A file (bytes) or folder (relative path -> bytes) sent by rank 0, written here."""
+        self.count += 1
+        path = self.files / f"{self.count:06d}" / name
+        if isinstance(content, dict):
+            for relative, data in content.items():
+                (path / relative).parent.mkdir(parents=True, exist_ok=True)
+                (path / relative).write_bytes(data)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+        return path
+
+    def _done_with(self, path: Path) -> None:
+        shutil.rmtree(path.parent, ignore_errors=True)  # the logger staged its own link or copy
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(metrics, step)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.logger.set_tags(tags)
+
+    def set_eval_dataset(self, eval_dataset: tuple[str, str] | None) -> None:
+        self.logger.eval_dataset = eval_dataset
+
+    def log_artifact(self, name: str, content, artifact_path: str | None) -> None:
+        path = self._written(name, content)
+        (self.logger.log_artifacts if isinstance(content, dict) else self.logger.log_artifact)(path, artifact_path)
+        self._done_with(path)
+
+    def log_model(self, name: str, content: bytes, sample, step: int, register, model_name: str) -> None:
+        path = self._written(name, content)
+        self.logger.log_model(path, sample, step, register, name=model_name)
+        self._done_with(path)
+
+    def flush(self) -> bool:
+        return self.logger.flush()
+
+    def logged_history(self) -> dict[str, list[tuple[int, float]]]:
+        self.logger.flush()  # what earlier calls logged is in the store before the store is read
+        return self.logger.logged_history()
+
+    def close(self) -> list[str]:
+        if not self.closed:
+            self.closed = True
+            self.logger.close()
+            self.refused = list(self.logger.not_registered)
+            shutil.rmtree(self.files, ignore_errors=True)
+        return self.refused
+
+
+class RelayedLogger:
+    """Rank 0's logger on any host: RunLogger's calls, made on the driver's node by the relay."""
+
+    def __init__(self, relay, run_id: str):
+        self.relay, self.run_id = relay, run_id
+        self.not_registered: list[str] = []
+
+    def _wait(self, ref, what: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{GONE} did not answer ({what}) within {CALL_TIMEOUT_S:g} s") from None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.relay.log_metrics.remote({k: float(v) for k, v in metrics.items()}, step)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.relay.set_tags.remote({k: str(v) for k, v in tags.items()})
+
+    def log_datasets(self, data, name: str, record: bool = True) -> None:
+        """The driver logged the splits as the run's inputs; the eval split's name and digest name
+        the models' metrics (RunLogger.log_datasets with record=False)."""
+        from orchestrate.tracking.logger import eval_split
+
+        self.relay.set_eval_dataset.remote(eval_split(data, name))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.relay.log_artifact.remote(Path(path).name, Path(path).read_bytes(), artifact_path)
+
+    def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
+        folder = Path(folder)
+        files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        self.relay.log_artifact.remote(folder.name, files, artifact_path)
+
+    def log_model(self, path: Path, sample, step: int, register=None, name: str = "model") -> None:
+        self.relay.log_model.remote(Path(path).name, Path(path).read_bytes(), sample, step, register, name)
+
+    def flush(self) -> bool:
+        return self._wait(self.relay.flush.remote(), "a flush before a checkpoint")
+
+    def logged_history(self) -> dict[str, list[tuple[int, float]]]:
+        return self._wait(self.relay.logged_history.remote(), "the run's logged history")
+
+    def close(self) -> bool:
+        """Everything logged so far sent (or kept by the relay's outbox), before the driver ends the run."""
+        self.not_registered = self._wait(self.relay.close.remote(), "the end of the run's logging")
+        return True

@@ -1,0 +1,175 @@
+"""Where the runner's checkpoints go (`backend.storage_path`), and whether every host reaches it.
+
+Ray Train copies each reported checkpoint to its storage, restarts failed workers from there,
+and the driver reads the run's last report from there: on a cluster whose hosts share no disk
+that storage must be one every host reaches. `backend.storage_path` is
+- unset: a folder in the run's output folder (one machine);
+- a folder: the same folder on every host (a shared file system, NFS and the like);
+- `s3://bucket/prefix`: S3 or an S3-compatible object store. Its endpoint and credentials come
+  from the standard AWS variables of the driver's environment (AWS_ENDPOINT_URL_S3 or
+  AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or
+  AWS_DEFAULT_REGION); the file system built from them travels with the run to every worker, so
+  the other hosts need no settings of their own.
+
+`check` proves it before any run opens: a file written here is read back on every other host of
+the cluster, within the placement timeout; a folder that is not the same everywhere, or a bucket
+a host cannot reach, is refused in one line naming the setting and what would work.
+"""
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrate.schema import ConfigError
+
+KEY = "backend.storage_path"
+WORKS = ("set backend.storage_path to s3://bucket/prefix (object storage; endpoint and credentials from the AWS_* "
+         "variables) or to a folder every host mounts")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What Ray Train's RunConfig takes: `path` (without its scheme when `filesystem` is given)."""
+
+    path: str
+    filesystem: object = None  # a pyarrow file system (S3), or None: a local folder
+    given: str | None = None  # backend.storage_path as set (None: the run's output folder)
+
+    @property
+    def shown(self) -> str:
+        return f"{KEY}={self.given}" if self.given else f"{KEY} (unset: the run's output folder {self.path})"
+
+
+def resolve(storage_path: str | None, out_dir: Path) -> Storage:
+    """The storage `backend.storage_path` names, for a run whose output folder is `out_dir`."""
+    if not storage_path:
+        return Storage(str((out_dir / "ray").resolve()))
+    if storage_path.startswith("s3://"):
+        return Storage(storage_path[len("s3://"):].rstrip("/"), s3_filesystem(), storage_path)
+    if "://" in storage_path:
+        scheme = storage_path.split("://")[0]
+        raise ConfigError(f"{KEY}={storage_path}: {scheme}:// is not supported here; allowed: a folder, or "
+                          "s3://bucket/prefix")
+    return Storage(str(Path(storage_path).expanduser().resolve()), None, storage_path)
+
+
+def s3_filesystem():
+    """S3 from the standard AWS variables; short timeouts, so that an endpoint that does not
+    answer is said within seconds, not after the SDK's retries."""
+    from pyarrow import fs
+
+    env = os.environ
+    options = dict(connect_timeout=5, request_timeout=30,
+                   region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        scheme, _, rest = endpoint.partition("://")
+        options.update(endpoint_override=rest or scheme, scheme=scheme if rest else "https")
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        options.update(access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"],
+                       session_token=env.get("AWS_SESSION_TOKEN"))
+    return fs.S3FileSystem(**options)
+
+
+def _write_marker(storage: Storage, name: str) -> str:
+    if storage.filesystem is None:
+        Path(storage.path).mkdir(parents=True, exist_ok=True)
+        path = str(Path(storage.path) / name)
+        Path(path).write_text(name)
+        return path
+    path = f"{storage.path}/{name}"
+    with storage.filesystem.open_output_stream(path) as out:
+        out.write(name.encode())
+    return path
+
+
+def _read_marker(storage: Storage, path: str) -> str | None:
+    """On a host of the cluster: the marker's content there, None if it is not there."""
+    try:
+        if storage.filesystem is None:
+            return Path(path).read_text()
+        with storage.filesystem.open_input_stream(path) as source:
+            return source.read().decode()
+    except FileNotFoundError:
+        return None
+
+
+def _remove_marker(storage: Storage, path: str) -> None:
+    try:
+        if storage.filesystem is None:
+            Path(path).unlink(missing_ok=True)
+        else:
+            storage.filesystem.delete_file(path)
+    except OSError:
+        pass
+
+
+def other_hosts() -> dict[str, str]:
+    """The cluster's alive nodes on other hosts than this process's: address -> a node id there."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    return {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes()
+            if n.get("Alive") and n["NodeManagerAddress"] != here}
+
+
+def check(storage: Storage, timeout_s: float, timeout_key: str) -> None:
+    """Refuse (ConfigError) storage that some host of the cluster does not share with this one.
+    One machine (no other hosts) needs no check. Ray must be initialized."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    hosts = other_hosts()
+    if not hosts:
+        return
+    if storage.given is None:
+        raise ConfigError(f"{storage.shown}: the cluster has other hosts ({', '.join(sorted(hosts))}), which do not "
+                          f"see this machine's folders; {WORKS}")
+    name = f".orchestrate-storage-check-{uuid.uuid4().hex[:12]}"
+    path = _written_in_time(storage, name, timeout_s, timeout_key)
+    try:
+        read = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
+        asked = {host: read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                 .remote(storage, path) for host, node in hosts.items()}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+        missing, failed = [], []
+        for host, ref in sorted(asked.items()):
+            if ref not in ready:
+                failed.append(f"{host}: no answer within {timeout_key}={timeout_s:g}")
+                continue
+            try:
+                if ray.get(ref) != name:
+                    missing.append(host)
+            except ray.exceptions.RayTaskError as e:
+                failed.append(f"{host}: {type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}")
+    finally:
+        _remove_marker(storage, path)
+    if missing:
+        raise ConfigError(f"{storage.shown}: not the same folder on host(s) {', '.join(missing)} (a file written here "
+                          f"is not there); {WORKS}")
+    if failed:
+        raise ConfigError(f"{storage.shown}: not reachable from every host ({'; '.join(failed)}); {WORKS}")
+
+
+def _written_in_time(storage: Storage, name: str, timeout_s: float, timeout_key: str) -> str:
+    """The marker written here, or a ConfigError within `timeout_s` (an endpoint that does not answer)."""
+    done: dict = {}
+
+    def write() -> None:
+        try:
+            done["path"] = _write_marker(storage, name)
+        except Exception as e:  # noqa: BLE001 - said below, in one line
+            done["error"] = e
+
+    writer = threading.Thread(target=write, name="storage-check", daemon=True)
+    writer.start()
+    writer.join(timeout_s)
+    if "error" in done:
+        e = done["error"]
+        raise ConfigError(f"{storage.shown}: cannot be written from here ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}); {WORKS}") from None
+    if "path" not in done:
+        raise ConfigError(f"{storage.shown}: no answer within {timeout_key}={timeout_s:g} s; {WORKS}")
+    return done["path"]

@@ -1,0 +1,111 @@
+"""The runner on a Ray cluster whose hosts share nothing (the `hosts` fixture: the driver's host
+with the Ray head, two others with a worker each, in network and mount namespaces of their own):
+the user's own model reaches the workers, what rank 0 logs reaches the driver's MLflow run,
+checkpoints go to an S3 API server, and storage the other hosts cannot see is refused up front.
+Commands run on the driver's host as a user types them, from the user's project folder."""
+
+import os
+import sqlite3
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import metric_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.hosts]
+
+USER_MODEL = '''\
+"""A model of the user's own, beside the driver only."""
+import torch
+
+
+class DigitsNet(torch.nn.Module):
+    def __init__(self, in_features: int = 64, num_classes: int = 10, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(in_features, width), torch.nn.ReLU(),
+                                          torch.nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.layers(x)
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    """The user's project: a model module and a `--config-dir` folder, on the driver's host only."""
+    (tmp_path / "user_model.py").write_text(USER_MODEL)
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "usernet.yaml").write_text(textwrap.dedent("""\
+        _target_: user_model.DigitsNet
+        in_features: 64
+        num_classes: 10
+        width: 32
+        """))
+    return tmp_path
+
+
+def runner(hosts, project, *overrides, env=None, timeout=300):
+    command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
+               "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
+               "trainer.progress=false", *overrides]
+    began = time.monotonic()
+    done = hosts.head.run(command, timeout=timeout, cwd=project, capture_output=True, text=True,
+                          env={**os.environ, **hosts.env, **(env or {})})
+    return done, time.monotonic() - began
+
+
+def runs_in(project) -> int:
+    store = project / "mlflow.db"
+    if not store.exists():
+        return 0
+    with sqlite3.connect(store) as db:
+        return db.execute("select count(*) from runs").fetchone()[0]
+
+
+def test_the_runner_trains_the_users_model_on_other_hosts_with_checkpoints_on_s3(hosts, s3_on_hosts, project):
+    done, _ = runner(hosts, project, "trainer.max_steps=200", "trainer.checkpoint_period=50",
+                     "trainer.display_loss_steps=10", "backend.storage_path=s3://checkpoints/runs", env=s3_on_hosts)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
+    (run,) = client.search_runs(client.get_experiment_by_name("orchestrate").experiment_id)
+    assert run.info.status == "FINISHED"
+    # Both ranks ran on the other hosts (the head has no CPUs), not on the driver's.
+    where = {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)}
+    assert where == {h.address for h in hosts.hosts[1:]}
+    # Every display step once, in MLflow, though rank 0 could not reach the driver's SQLite file.
+    steps = [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")]
+    assert steps == list(range(10, 201, 10))
+    losses = [v for _, v in metric_steps(client, run.info.run_id, "train/loss")]
+    assert losses[-1] < losses[0] * 0.8
+    assert client.get_run(run.info.run_id).data.metrics["eval/accuracy"] > 0.5
+    # Each checkpoint rank 0 wrote on its host is in the run, sent through the driver's relay.
+    names = [Path(a.path).name for a in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert sorted(int(n.split("_")[1].split(".")[0]) for n in names) == [50, 100, 150, 200], names
+    assert client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")
+    # Ray Train's copies of the checkpoints are in the bucket, read back from the driver's host.
+    listing = hosts.head.run([sys.executable, "-c", "import boto3; print(*[o['Key'] for o in boto3.client('s3')"
+                              ".list_objects_v2(Bucket='checkpoints', Prefix='runs/')['Contents']], sep='\\n')"],
+                             timeout=60, capture_output=True, text=True, env={**os.environ, **s3_on_hosts}, check=True)
+    assert f"runner-{run.info.run_id}" in listing.stdout and "/checkpoint" in listing.stdout
+
+
+@pytest.mark.parametrize("shared", [None, False], ids=["unset", "a-folder-of-this-host"])
+def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(hosts, project, shared, tmp_path):
+    folder = None if shared is None else str(tmp_path / "checkpoints")
+    overrides = ["trainer.max_steps=20", *([f"backend.storage_path={folder}"] if folder else [])]
+    done, took = runner(hosts, project, *overrides)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: backend.storage_path"), done.stderr
+    others = ", ".join(h.address for h in hosts.hosts[1:])
+    assert (f"not the same folder on host(s) {others}" if folder else f"the cluster has other hosts ({others})") \
+        in lines[0]
+    assert "s3://bucket/prefix" in lines[0]
+    assert took < 60
+    assert runs_in(project) == 0
