@@ -226,9 +226,13 @@ class Hosts:
                                 f"--dashboard-port={DASHBOARD_PORT}", f"--temp-dir={self.folder / 'ray'}", *common])
         self._wait_port(head, RAY_PORT)
         for host in self.hosts[1:]:
-            self._start_node(host, [ray, "start", f"--address={self.ray_address}", f"--node-ip-address={host.address}",
-                                    f"--num-cpus={self.ray_cpus:g}", *common])
+            self._start_node(host, self._node_argv(host))
         self.wait_nodes(len(self.hosts))
+
+    def _node_argv(self, host: Host) -> list[str]:
+        return [str(Path(sys.executable).parent / "ray"), "start", f"--address={self.ray_address}",
+                f"--node-ip-address={host.address}", f"--num-cpus={self.ray_cpus:g}", "--block", "--disable-usage-stats",
+                f"--object-store-memory={OBJECT_STORE_BYTES}"]
 
     def _start_node(self, host: Host, argv: list[str]) -> None:
         log = self.folder / f"{host.name}-ray.log"
@@ -239,10 +243,7 @@ class Hosts:
     def restart_node(self, host: Host) -> None:
         """A node killed (or its host lost) started again, joining the head as before."""
         host.stop_processes()
-        ray = str(Path(sys.executable).parent / "ray")
-        self._start_node(host, [ray, "start", f"--address={self.ray_address}", f"--node-ip-address={host.address}",
-                                f"--num-cpus={self.ray_cpus:g}", "--block", "--disable-usage-stats",
-                                f"--object-store-memory={OBJECT_STORE_BYTES}"])
+        self._start_node(host, self._node_argv(host))
 
     def _wait_port(self, host: Host, port: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

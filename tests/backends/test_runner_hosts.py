@@ -5,7 +5,9 @@ checkpoints go to an S3 API server, and storage the other hosts cannot see is re
 Commands run on the driver's host as a user types them, from the user's project folder."""
 
 import os
+import signal
 import sqlite3
+import subprocess
 import sys
 import textwrap
 import time
@@ -109,3 +111,38 @@ def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(host
     assert "s3://bucket/prefix" in lines[0]
     assert took < 60
     assert runs_in(project) == 0
+
+
+def test_a_host_lost_mid_run_is_survived_from_the_checkpoints_on_s3(hosts, s3_on_hosts, project):
+    """Last in this file: it kills one host's Ray node and starts it again."""
+    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
+    lost = hosts.hosts[2]
+    command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
+               "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
+               "trainer.progress=false", "trainer.max_steps=1500", "trainer.checkpoint_period=100",
+               "trainer.display_loss_steps=10", "backend.storage_path=s3://checkpoints/lost"]
+    running = hosts.head.popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **hosts.env, **s3_on_hosts})
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and running.poll() is None:  # past the first checkpoints
+            found = client.search_runs([e.experiment_id for e in client.search_experiments()]) \
+                if (project / "mlflow.db").exists() else []
+            if found and len(client.get_metric_history(found[0].info.run_id, "train/loss")) >= 30:
+                break
+            time.sleep(0.5)
+        assert running.poll() is None, running.stdout.read()
+        lost.signal_all(signal.SIGKILL)  # the host's Ray node and its worker killed, mid-run
+        time.sleep(3)
+        hosts.restart_node(lost)
+        out, _ = running.communicate(timeout=300)
+    finally:
+        if running.poll() is None:
+            running.kill()
+        hosts.wait_nodes(len(hosts.hosts))
+    assert running.returncode == 0, out
+    assert "resumed" in out
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = [s for s, _ in metric_steps(client, run.info.run_id, "train/loss")]
+    assert steps == list(range(10, 1501, 10))  # every display step once, across the restart
