@@ -117,14 +117,21 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     except ConnectionError as e:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
                              "auto, or the address of a running cluster") from None
-    except ValueError as e:  # the working folder shipped to the cluster is past Ray's size limit
-        if "Package size" not in str(e):
+    except ValueError as e:  # the working folder shipped to the cluster (runtime_env) is past Ray's size limit
+        refused = too_large(e, key, address)
+        if refused is None:
             raise
-        size = str(e).split("(")[1].split(")")[0]
-        raise RayUnavailable(f"{key}={address}: this folder ({os.getcwd()}, {size}) is shipped to the cluster's "
-                             f"workers and is past Ray's limit of {_mib(shipping_limit())}: run from your project's "
-                             "folder, or name what to leave out in its .gitignore or .rayignore") from None
+        raise refused from None
     return True
+
+
+def too_large(error: ValueError, key: str, address: str) -> RayUnavailable | None:
+    """Ray's refusal of a working folder past its size limit as one line; None for other errors."""
+    if not str(error).startswith("Package size"):
+        return None
+    return RayUnavailable(f"{key}={address}: this folder ({os.getcwd()}) is shipped to the cluster's workers, and Ray "
+                          f"refused it ({str(error).split('. ')[0]}): run from your project's folder, or name what to "
+                          "leave out in its .gitignore or .rayignore")
 
 
 # What a command's working folder sends to the cluster's workers leaves out (gitignore patterns,
@@ -152,15 +159,6 @@ def runtime_env(address: str, local: bool) -> dict | None:
     if submitted.get("working_dir"):
         return None
     return {"working_dir": os.getcwd(), "excludes": list(NOT_SHIPPED)}
-
-
-def shipping_limit() -> int:
-    """Ray's largest package (a working folder) in bytes: its gRPC message limit."""
-    return int(os.environ.get("RAY_max_grpc_message_size", 512 * 2**20))
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.0f} MiB"
 
 
 # Lines Ray relays from its own processes to this driver's console that say nothing to act on;

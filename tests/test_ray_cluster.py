@@ -62,3 +62,21 @@ def test_the_readmes_token_step_writes_a_file_only_its_owner_reads(tmp_path):
     assert generate(tmp_path / "usual", "022") == 0o644
     (tmp_path / "usual" / ".ray" / "auth_token").chmod(0o600)
     assert generate(tmp_path / "usual", "022") == 0o600
+
+
+def test_a_working_folder_past_rays_limit_is_one_line_naming_the_folder(monkeypatch, tmp_path):
+    """Ray's own refusal (its package upload, with its limit lowered to 10 bytes) as the command says it."""
+    from ray._private.runtime_env import packaging
+
+    from orchestrate import ray_cluster
+
+    monkeypatch.setattr(packaging, "GCS_STORAGE_MAX_SIZE", 10)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as raised:
+        packaging._store_package_in_gcs("gcs://_ray_pkg_test.zip", b"x" * 100)
+    refused = ray_cluster.too_large(raised.value, "backend.ray_address", "10.0.0.1:6379")
+    assert "\n" not in str(refused)
+    assert str(refused).startswith(f"backend.ray_address=10.0.0.1:6379: this folder ({tmp_path}) is shipped")
+    assert "(Package size (0.00MiB) exceeds the maximum size of 0.00MiB)" in str(refused)
+    assert ".gitignore or .rayignore" in str(refused)
+    assert ray_cluster.too_large(ValueError("another"), "k", "a") is None

@@ -60,7 +60,9 @@ class RunLogger:
         """The data's splits as the run's inputs (orchestrate.tracking.datasets); `record=False` only
         notes the eval split's name and digest (the runner's rank 0: the driver logged them)."""
         inputs = datasets.dataset_inputs(data, name)
-        self.eval_dataset = eval_split(data, name, inputs) or self.eval_dataset
+        for given in inputs:
+            if any(t.key == datasets.CONTEXT and t.value == "eval" for t in given.tags):
+                self.eval_dataset = (given.dataset.name, given.dataset.digest)
         if record and inputs:
             try:
                 self.client.log_inputs(self.run_id, datasets=inputs)
@@ -139,14 +141,6 @@ class RunLogger:
         if sent:
             shutil.rmtree(self.staging, ignore_errors=True)
         return sent
-
-
-def eval_split(data, name: str, inputs: list | None = None) -> tuple[str, str] | None:
-    """(name, digest) of the data's eval split as the run's inputs list it, None without one."""
-    for given in datasets.dataset_inputs(data, name) if inputs is None else inputs:
-        if any(t.key == datasets.CONTEXT and t.value == "eval" for t in given.tags):
-            return given.dataset.name, given.dataset.digest
-    return None
 
 
 def link_or_copy(source, target) -> None:

@@ -50,13 +50,17 @@ def project(tmp_path):
     return tmp_path
 
 
+def runner_command(hosts, *overrides) -> list[str]:
+    """The runner on the hosts' cluster, the user's model, as typed from the project's folder."""
+    return [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
+            "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
+            "trainer.progress=false", *overrides]
+
+
 def runner(hosts, project, *overrides, env=None, timeout=300):
-    command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
-               "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
-               "trainer.progress=false", *overrides]
     began = time.monotonic()
-    done = hosts.head.run(command, timeout=timeout, cwd=project, capture_output=True, text=True,
-                          env={**os.environ, **hosts.env, **(env or {})})
+    done = hosts.head.run(runner_command(hosts, *overrides), timeout=timeout, cwd=project, capture_output=True,
+                          text=True, env={**os.environ, **hosts.env, **(env or {})})
     return done, time.monotonic() - began
 
 
@@ -97,9 +101,9 @@ def test_the_runner_trains_the_users_model_on_other_hosts_with_checkpoints_on_s3
     assert f"runner-{run.info.run_id}" in listing.stdout and "/checkpoint" in listing.stdout
 
 
-@pytest.mark.parametrize("shared", [None, False], ids=["unset", "a-folder-of-this-host"])
-def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(hosts, project, shared, tmp_path):
-    folder = None if shared is None else str(tmp_path / "checkpoints")
+@pytest.mark.parametrize("storage", ["unset", "a-folder-of-this-host"])
+def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(hosts, project, storage, tmp_path):
+    folder = None if storage == "unset" else str(tmp_path / "checkpoints")
     overrides = ["trainer.max_steps=20", *([f"backend.storage_path={folder}"] if folder else [])]
     done, took = runner(hosts, project, *overrides)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -117,10 +121,8 @@ def test_a_host_lost_mid_run_is_survived_from_the_checkpoints_on_s3(hosts, s3_on
     """Last in this file: it kills one host's Ray node and starts it again."""
     client = MlflowClient(f"sqlite:///{project}/mlflow.db")
     lost = hosts.hosts[2]
-    command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
-               "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
-               "trainer.progress=false", "trainer.max_steps=1500", "trainer.checkpoint_period=100",
-               "trainer.display_loss_steps=10", "backend.storage_path=s3://checkpoints/lost"]
+    command = runner_command(hosts, "trainer.max_steps=1500", "trainer.checkpoint_period=100",
+                             "trainer.display_loss_steps=10", "backend.storage_path=s3://checkpoints/lost")
     running = hosts.head.popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **hosts.env, **s3_on_hosts})
     try:

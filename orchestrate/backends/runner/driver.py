@@ -182,6 +182,7 @@ class RunnerBackend(Backend):
             engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
+        storage.resolve(self.storage_path, job.out_dir)  # a scheme it does not take: refused before Ray starts
         if self.placement_strategy not in STRATEGIES:
             raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
         if t.resume and not engine.resumable:
@@ -268,8 +269,8 @@ class RunnerBackend(Backend):
             except ray_cluster.PlacementError as e:
                 raise ConfigError(str(e)) from None
             # Checkpoints every host reaches, before the run opens (a cluster of other hosts).
-            storage.check(storage.resolve(self.storage_path, job.out_dir), self.placement_timeout_s,
-                          "backend.placement_timeout_s")
+            storage.check_shared(storage.resolve(self.storage_path, job.out_dir), self.placement_timeout_s,
+                                 "backend.placement_timeout_s")
             yield
         finally:
             # A stopped run's Ray Train run is aborted only now, after its MLflow run was marked
@@ -309,7 +310,8 @@ class RunnerBackend(Backend):
         # What rank 0 logs goes through the driver's node (relay.py): the workers' hosts need not
         # reach the tracking store (a SQLite file here, a server on this machine's 127.0.0.1).
         uri = absolute_uri(tracker.uri) if tracker else None
-        relay = relays.start(uri, run_id, job.out_dir.resolve()) if tracker and not in_driver else None
+        relay = relays.start(uri, run_id, job.out_dir.resolve(), tracker.eval_dataset) if tracker and not in_driver \
+            else None
         config = {"cfg": cfg, "engine": OmegaConf.to_container(self.engine_node()),
                   "out_dir": str(job.out_dir.resolve()), "run_id": run_id, "in_driver": in_driver,
                   "resume": ray.put(resume) if resume is not None and not in_driver else resume,
@@ -335,9 +337,8 @@ class RunnerBackend(Backend):
                 raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
             raise
         finally:
-            refused = relays.stop(relay) if relay is not None else []
-        if refused and tracker is not None:  # the run ends FAILED, exit 1
-            tracker.not_registered.extend(r for r in refused if r not in tracker.not_registered)
+            if relay is not None:
+                relays.stop(relay)
         if in_driver:
             summary = result.return_value
         else:
@@ -346,7 +347,7 @@ class RunnerBackend(Backend):
         job.meter.history = {k: [tuple(p) for p in v] for k, v in summary["history"].items()}
         job.meter.final.update(summary["final"])
         if summary.get("not_registered") and tracker is not None:  # the run ends FAILED, exit 1
-            tracker.not_registered.extend(r for r in summary["not_registered"] if r not in tracker.not_registered)
+            tracker.not_registered.extend(summary["not_registered"])
         sizes = world_sizes(job.meter.history)
         if tracker is not None and len(sizes) > 1:  # an elastic run's sizes, in order, beside its resized_at_* tags
             tracker.set_tags({"world_sizes": " -> ".join(map(str, sizes))})

@@ -28,27 +28,27 @@ CALL_TIMEOUT_S = 300.0  # a relay call that answers (flush, history); the end wa
 GONE = "the run's tracking relay on the driver's node"
 
 
-def start(uri: str, run_id: str, out_dir: Path):
+def start(uri: str, run_id: str, out_dir: Path, eval_dataset: tuple[str, str] | None):
     """The relay for run `run_id` of the store at `uri`, on this process's own Ray node (the
-    driver's), taking no CPU from the workers."""
+    driver's), taking no CPU from the workers. `eval_dataset`: the eval split's (name, digest) as
+    the driver logged the run's inputs (the models' metrics name it)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_concurrency=1)(RunRelay)
-    return actor.options(scheduling_strategy=here, name=f"run-relay-{run_id}").remote(uri, run_id, str(out_dir))
+    actor = ray.remote(num_cpus=0, max_concurrency=1)(RunRelay)  # one call at a time: in the order made
+    return actor.options(scheduling_strategy=here).remote(uri, run_id, str(out_dir), eval_dataset)
 
 
-def stop(relay) -> list[str]:
+def stop(relay) -> None:
     """The relay's end (after the workers' own, or after they failed): what was left is sent or
-    kept, then the actor goes. Returns the models whose registration the store refused."""
+    kept, then the actor goes."""
     import ray
 
     try:
-        return ray.get(relay.close.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(relay.close.remote(), timeout=CALL_TIMEOUT_S)
     except (ray.exceptions.RayError, TimeoutError) as e:  # gone with its node, or stuck: what it kept is its file
         log.warning(f"{GONE} did not end in time ({type(e).__name__})")
-        return []
     finally:
         ray.kill(relay)
 
@@ -56,13 +56,14 @@ def stop(relay) -> list[str]:
 class RunRelay:
     """On the driver's node: one RunLogger into the driver's run, fed by rank 0's calls."""
 
-    def __init__(self, uri: str, run_id: str, out_dir: str):
+    def __init__(self, uri: str, run_id: str, out_dir: str, eval_dataset: tuple[str, str] | None):
         from orchestrate import ort
         from orchestrate.tracking.logger import RunLogger
 
         ort.load()  # what ORT's import prints (a model's logging imports it) stays off the console
 
         self.logger = RunLogger(uri, run_id, out_dir=Path(out_dir))
+        self.logger.eval_dataset = eval_dataset
         self.files = Path(tempfile.mkdtemp(prefix=f"relay-{run_id[:8]}-"))
         self.count, self.closed, self.refused = 0, False, []
 
@@ -87,9 +88,6 @@ class RunRelay:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
-
-    def set_eval_dataset(self, eval_dataset: tuple[str, str] | None) -> None:
-        self.logger.eval_dataset = eval_dataset
 
     def log_artifact(self, name: str, content, artifact_path: str | None) -> None:
         path = self._written(name, content)
@@ -139,11 +137,8 @@ class RelayedLogger:
         self.relay.set_tags.remote({k: str(v) for k, v in tags.items()})
 
     def log_datasets(self, data, name: str, record: bool = True) -> None:
-        """The driver logged the splits as the run's inputs; the eval split's name and digest name
-        the models' metrics (RunLogger.log_datasets with record=False)."""
-        from orchestrate.tracking.logger import eval_split
-
-        self.relay.set_eval_dataset.remote(eval_split(data, name))
+        """Nothing to do: the driver logged the splits as the run's inputs, and handed the relay
+        the eval split's name and digest (RunLogger.log_datasets with record=False notes them)."""
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.relay.log_artifact.remote(Path(path).name, Path(path).read_bytes(), artifact_path)

@@ -11,13 +11,12 @@ that storage must be one every host reaches. `backend.storage_path` is
   AWS_DEFAULT_REGION); the file system built from them travels with the run to every worker, so
   the other hosts need no settings of their own.
 
-`check` proves it before any run opens: a file written here is read back on every other host of
-the cluster, within the placement timeout; a folder that is not the same everywhere, or a bucket
+`check_shared` proves it before any run opens: a file written on the driver's node is read back on
+every other host of the cluster, within the placement timeout; a folder that is not the same everywhere, or a bucket
 a host cannot reach, is refused in one line naming the setting and what would work.
 """
 
 import os
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,37 +72,28 @@ def s3_filesystem():
     return fs.S3FileSystem(**options)
 
 
-def _write_marker(storage: Storage, name: str) -> str:
-    if storage.filesystem is None:
-        Path(storage.path).mkdir(parents=True, exist_ok=True)
-        path = str(Path(storage.path) / name)
-        Path(path).write_text(name)
-        return path
-    path = f"{storage.path}/{name}"
-    with storage.filesystem.open_output_stream(path) as out:
-        out.write(name.encode())
-    return path
+def _at(storage: Storage, path: str, do: str) -> str | None:
+    """A Ray task on one host (max_calls=1: its own process): `do` the marker at `path` there,
+    "write" (its folder made), "read" (its content, None where it is not) or "remove"."""
+    from pyarrow import fs
 
-
-def _read_marker(storage: Storage, path: str) -> str | None:
-    """On a host of the cluster: the marker's content there, None if it is not there."""
+    files = storage.filesystem or fs.LocalFileSystem()
     try:
-        if storage.filesystem is None:
-            return Path(path).read_text()
-        with storage.filesystem.open_input_stream(path) as source:
-            return source.read().decode()
+        if do == "write":
+            files.create_dir(storage.path, recursive=True)
+            with files.open_output_stream(path) as out:
+                out.write(path.encode())
+        elif do == "read":
+            with files.open_input_stream(path) as source:
+                return source.read().decode()
+        else:
+            files.delete_file(path)
     except FileNotFoundError:
         return None
-
-
-def _remove_marker(storage: Storage, path: str) -> None:
-    try:
-        if storage.filesystem is None:
-            Path(path).unlink(missing_ok=True)
-        else:
-            storage.filesystem.delete_file(path)
-    except OSError:
-        pass
+    finally:
+        if storage.filesystem is not None:  # the process ends after this task: S3's client first
+            fs.finalize_s3()
+    return path
 
 
 def other_hosts() -> dict[str, str]:
@@ -115,9 +105,11 @@ def other_hosts() -> dict[str, str]:
             if n.get("Alive") and n["NodeManagerAddress"] != here}
 
 
-def check(storage: Storage, timeout_s: float, timeout_key: str) -> None:
-    """Refuse (ConfigError) storage that some host of the cluster does not share with this one.
-    One machine (no other hosts) needs no check. Ray must be initialized."""
+def check_shared(storage: Storage, timeout_s: float, timeout_key: str) -> None:
+    """Refuse (ConfigError) storage that some host of the cluster does not share with this one:
+    a marker written on this process's node is read on one node of every other host, each step
+    a Ray task waited for at most `timeout_s`. One machine (no other hosts) needs no check. Ray
+    must be initialized."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -127,49 +119,41 @@ def check(storage: Storage, timeout_s: float, timeout_key: str) -> None:
     if storage.given is None:
         raise ConfigError(f"{storage.shown}: the cluster has other hosts ({', '.join(sorted(hosts))}), which do not "
                           f"see this machine's folders; {WORKS}")
-    name = f".orchestrate-storage-check-{uuid.uuid4().hex[:12]}"
-    path = _written_in_time(storage, name, timeout_s, timeout_key)
+    task = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(_at)
+
+    def on(node: str, do: str, path: str):
+        return task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(storage, path, do)
+
+    def failed(host: str, ref) -> str | None:
+        """None when the task answered; else why not, in a few words."""
+        try:
+            ray.get(ref, timeout=0)
+            return None
+        except ray.exceptions.RayTaskError as e:
+            return f"{host}: {type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}"
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            return f"{host}: no answer within {timeout_key}={timeout_s:g} s"
+        except ray.exceptions.RayError as e:  # its node or worker gone meanwhile
+            return f"{host}: {type(e).__name__}"
+
+    here = ray.get_runtime_context().get_node_id()
+    path = f"{storage.path}/.orchestrate-storage-check-{uuid.uuid4().hex[:12]}"
+    written = on(here, "write", path)
+    ray.wait([written], timeout=timeout_s)
+    why = failed("this host", written)
+    if why:
+        raise ConfigError(f"{storage.shown}: cannot be written from here ({why.split(': ', 1)[1]}); {WORKS}")
     try:
-        read = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
-        asked = {host: read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                 .remote(storage, path) for host, node in hosts.items()}
-        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
-        missing, failed = [], []
-        for host, ref in sorted(asked.items()):
-            if ref not in ready:
-                failed.append(f"{host}: no answer within {timeout_key}={timeout_s:g}")
-                continue
-            try:
-                if ray.get(ref) != name:
-                    missing.append(host)
-            except ray.exceptions.RayTaskError as e:
-                failed.append(f"{host}: {type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}")
+        asked = {host: on(node, "read", path) for host, node in hosts.items()}
+        ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+        problems = {host: failed(host, ref) for host, ref in sorted(asked.items())}
     finally:
-        _remove_marker(storage, path)
+        ray.wait([on(here, "remove", path)], timeout=timeout_s)
+    unreachable = [why for why in problems.values() if why]
+    missing = [host for host, why in problems.items() if not why and ray.get(asked[host]) != path]
     if missing:
         raise ConfigError(f"{storage.shown}: not the same folder on host(s) {', '.join(missing)} (a file written here "
                           f"is not there); {WORKS}")
-    if failed:
-        raise ConfigError(f"{storage.shown}: not reachable from every host ({'; '.join(failed)}); {WORKS}")
-
-
-def _written_in_time(storage: Storage, name: str, timeout_s: float, timeout_key: str) -> str:
-    """The marker written here, or a ConfigError within `timeout_s` (an endpoint that does not answer)."""
-    done: dict = {}
-
-    def write() -> None:
-        try:
-            done["path"] = _write_marker(storage, name)
-        except Exception as e:  # noqa: BLE001 - said below, in one line
-            done["error"] = e
-
-    writer = threading.Thread(target=write, name="storage-check", daemon=True)
-    writer.start()
-    writer.join(timeout_s)
-    if "error" in done:
-        e = done["error"]
-        raise ConfigError(f"{storage.shown}: cannot be written from here ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); {WORKS}") from None
-    if "path" not in done:
-        raise ConfigError(f"{storage.shown}: no answer within {timeout_key}={timeout_s:g} s; {WORKS}")
-    return done["path"]
+    if unreachable:
+        raise ConfigError(f"{storage.shown}: not reachable from every host ({'; '.join(unreachable)}); {WORKS}")
