@@ -105,14 +105,7 @@ class RunLogger:
         links, under a folder of their own in the run's outbox folder: uploaded under their own
         names, whatever happens to `path` meanwhile; the outbox removes them once sent."""
         self.staged += 1
-        folder = self.staging / f"{self.staged:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / path.name
-        if path.is_dir():
-            shutil.copytree(path, target, copy_function=link_or_copy)
-        else:
-            link_or_copy(path, target)
-        return target
+        return stage(path, self.staging / f"{self.staged:06d}")
 
     def logged_history(self) -> dict[str, list[tuple[int, float]]]:
         """Every metric the run holds, as `key -> [(step, value)]`: a resumed run carries its
@@ -141,6 +134,18 @@ class RunLogger:
         if sent:
             shutil.rmtree(self.staging, ignore_errors=True)
         return sent
+
+
+def stage(path: Path, folder: Path) -> Path:
+    """`path` (a file, or a folder's files) linked into `folder` under its own name, copied where
+    the file system refuses links: it stays whatever happens to `path` meanwhile."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / path.name
+    if path.is_dir():
+        shutil.copytree(path, target, copy_function=link_or_copy)
+    else:
+        link_or_copy(path, target)
+    return target
 
 
 def link_or_copy(source, target) -> None:

@@ -12,20 +12,27 @@ The actor is placed on the driver's node (where the store is) and lives as long 
 one worker run in the order it made them (Ray runs one caller's calls to an actor in order), and
 the actor keeps the outbox's promises (in order, exactly once, nothing lost while the server is
 away: what it never took is written to `mlflow_unsent.jsonl` in the driver's output folder).
-Files (checkpoints, ONNX models, TensorBoard's folder) travel as bytes in Ray's object store and
-are written beside the driver before they are logged. Training waits only where it waited before:
-a checkpoint's flush, the history a restarted rank 0 carries on, and the end.
+Files (checkpoints, ONNX models, TensorBoard's folder) travel as bytes in Ray's object store,
+read and sent from a thread of rank 0's, and are written beside the driver before they are
+logged. Training waits only where it waited before: a checkpoint's flush, the history a
+restarted rank 0 carries on, and the end.
 """
 
 import logging
+import queue
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
+
+from orchestrate.tracking.logger import stage
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 300.0  # a relay call that answers (flush, history); the end waits as long as the outbox's close
 GONE = "the run's tracking relay on the driver's node"
+RELAY_STAGING = ".mlflow_relay"  # rank 0's files waiting to go to the relay, in its output folder on its host
 
 
 def start(uri: str, run_id: str, out_dir: Path, eval_dataset: tuple[str, str] | None):
@@ -116,48 +123,84 @@ class RunRelay:
 
 
 class RelayedLogger:
-    """Rank 0's logger on any host: RunLogger's calls, made on the driver's node by the relay."""
+    """Rank 0's logger on any host: RunLogger's calls, made on the driver's node by the relay.
+    The calls go out from one thread of their own, in the order they were made: a file is staged
+    (a hard link, as RunLogger stages it) and read and sent from there, so that a checkpoint step
+    does not wait for its file's bytes (measured: 117 ms for a 100 MB file on the calling thread)."""
 
-    def __init__(self, relay, run_id: str):
-        self.relay, self.run_id = relay, run_id
+    def __init__(self, relay, run_id: str, staging: Path):
+        self.relay, self.run_id, self.staging, self.staged = relay, run_id, staging, 0
         self.not_registered: list[str] = []
+        self.calls: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send, name=f"run-relay-{run_id[:8]}", daemon=True)
+        self.thread.start()
 
-    def _wait(self, ref, what: str):
+    def _send(self) -> None:
+        while (call := self.calls.get()) is not None:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - one item lost, said; the run trains on
+                log.warning(f"a call to {GONE} was not made ({type(e).__name__}: {e})")
+
+    def _ask(self, method: str, what: str):
+        """A relay call whose answer is waited for, after every call made before it."""
         import ray
 
+        sent: Future = Future()
+        self.calls.put(lambda: sent.set_result(getattr(self.relay, method).remote()))
         try:
-            return ray.get(ref, timeout=CALL_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
+            return ray.get(sent.result(timeout=CALL_TIMEOUT_S), timeout=CALL_TIMEOUT_S)
+        except (ray.exceptions.GetTimeoutError, TimeoutError):
             raise TimeoutError(f"{GONE} did not answer ({what}) within {CALL_TIMEOUT_S:g} s") from None
 
+    def _file(self, method: str, path: Path, *args) -> None:
+        """A file or folder, sent as bytes from the thread: `method(name, content, *args)`."""
+        self.staged += 1
+        staged = stage(Path(path), self.staging / f"{self.staged:06d}")
+
+        def send() -> None:
+            try:
+                content = staged.read_bytes() if staged.is_file() else \
+                    {str(p.relative_to(staged)): p.read_bytes() for p in sorted(staged.rglob("*")) if p.is_file()}
+                getattr(self.relay, method).remote(staged.name, content, *args)
+            finally:
+                shutil.rmtree(staged.parent, ignore_errors=True)
+
+        self.calls.put(send)
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.relay.log_metrics.remote({k: float(v) for k, v in metrics.items()}, step)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.calls.put(lambda: self.relay.log_metrics.remote(metrics, step))
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.relay.set_tags.remote({k: str(v) for k, v in tags.items()})
+        tags = {k: str(v) for k, v in tags.items()}
+        self.calls.put(lambda: self.relay.set_tags.remote(tags))
 
     def log_datasets(self, data, name: str, record: bool = True) -> None:
         """Nothing to do: the driver logged the splits as the run's inputs, and handed the relay
         the eval split's name and digest (RunLogger.log_datasets with record=False notes them)."""
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.relay.log_artifact.remote(Path(path).name, Path(path).read_bytes(), artifact_path)
+        self._file("log_artifact", path, artifact_path)
 
     def log_artifacts(self, folder: Path, artifact_path: str | None = None) -> None:
-        folder = Path(folder)
-        files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-        self.relay.log_artifact.remote(folder.name, files, artifact_path)
+        self._file("log_artifact", folder, artifact_path)
 
     def log_model(self, path: Path, sample, step: int, register=None, name: str = "model") -> None:
-        self.relay.log_model.remote(Path(path).name, Path(path).read_bytes(), sample, step, register, name)
+        self._file("log_model", path, sample, step, register, name)
 
     def flush(self) -> bool:
-        return self._wait(self.relay.flush.remote(), "a flush before a checkpoint")
+        return self._ask("flush", "a flush before a checkpoint")
 
     def logged_history(self) -> dict[str, list[tuple[int, float]]]:
-        return self._wait(self.relay.logged_history.remote(), "the run's logged history")
+        return self._ask("logged_history", "the run's logged history")
 
     def close(self) -> bool:
         """Everything logged so far sent (or kept by the relay's outbox), before the driver ends the run."""
-        self.not_registered = self._wait(self.relay.close.remote(), "the end of the run's logging")
+        try:
+            self.not_registered = self._ask("close", "the end of the run's logging")
+        finally:
+            self.calls.put(None)
+            self.thread.join(timeout=CALL_TIMEOUT_S)
+            shutil.rmtree(self.staging, ignore_errors=True)
         return True

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrate.backends.runner.collective import Workers
-from orchestrate.backends.runner.relay import RelayedLogger
+from orchestrate.backends.runner.relay import RELAY_STAGING, RelayedLogger
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.meter import Diverged
 from orchestrate.thirdparty import quiet_ray_train_reports
@@ -96,7 +96,7 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         # In the driver's process: its own logger into the run. On a worker, whichever host it is on:
         # the relay on the driver's node logs for it (relay.py).
         job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])) if in_driver
-                  else RelayedLogger(config["relay"], config["run_id"]))
+                  else RelayedLogger(config["relay"], config["run_id"], Path(config["out_dir"]) / RELAY_STAGING))
         # The driver logged the data as the run's inputs; the model's metrics name the eval split.
         job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], record=False)
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
