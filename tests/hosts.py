@@ -160,7 +160,10 @@ class Hosts:
         self.folder = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
         names = [socket.gethostname(), *(f"host{i}" for i in range(1, count))]  # the driver's keeps its own
         table = self.folder / "hosts"
-        table.write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} {n}\n" for i, n in enumerate(names)))
+        # As a cluster's DNS would answer: each name's address, also reversed from its IPv4-mapped
+        # IPv6 form (torch's TCPStore sees its clients' addresses so, and asks their names).
+        table.write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} {n}\n::ffff:{SUBNET}.{i + 1} {n}\n"
+                                                           for i, n in enumerate(names)))
         self.hosts = [Host(name, f"{self.prefix}-h{i}", f"{SUBNET}.{i + 1}", private=i > 0, hosts_file=str(table))
                       for i, name in enumerate(names)]
         self.logs: dict[str, Path] = {}
