@@ -67,13 +67,14 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
-    from orchestrate.sweeps import plan, prestart
+    from orchestrate.sweeps import plan, prestart, remote
 
     hydra_overrides = hydra_words(flags)
     with boundary(Where(CHECK, overrides=[*hydra_overrides, *overrides], source=source)):
         cfg = load_config([*hydra_overrides, *overrides], source, run_mode=RunMode.MULTIRUN, with_hydra=True)
         trials = plan.trials(cfg)
         check_sweeper(cfg)
+        remote.check_reporting(cfg)  # trials on a cluster's other hosts: can they report back?
     if not trials:
         fail(f"{' '.join(overrides) or 'the sweep'}: the sweep has no trials (an empty range or list); "
              "allowed: at least one value per swept key")

@@ -65,6 +65,11 @@ INTERNALS = _listed({
         "optuna.study.study:Study._stop_flag*",
         "optuna.study.study:Study._thread_local*",
     ),
+    # Optuna's gRPC storage proxy, started and stopped by its owner (optuna_grpc_proxy)
+    "optuna_grpc_proxy": (
+        "optuna.storages._grpc.servicer:OptunaStorageProxyService",
+        "optuna.storages._grpc.auto_generated.api_pb2_grpc:add_StorageServiceServicer_to_server",
+    ),
     # torch names its exporter's opsets nowhere public (torch_onnx_opsets)
     "torch_onnx_opsets": (
         "torch.onnx._constants:ONNX_MIN_OPSET",
@@ -245,6 +250,23 @@ def optuna_optimize_loop(study) -> Callable[[], bool]:
 
 def optuna_optimize_loop_end(study) -> None:
     study._thread_local.in_optimize_loop = False
+
+
+def optuna_grpc_proxy(storage, host: str):
+    """(a gRPC server proxying `storage`, its thread pool, the port it took on `host`), not
+    started. Optuna's public `run_grpc_proxy_server` serves until the process ends, on a port
+    chosen before (none free is known then); its parts, as it assembles them, give a server
+    that stops with the sweep, on a free port."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from optuna.storages._grpc.auto_generated.api_pb2_grpc import add_StorageServiceServicer_to_server
+    from optuna.storages._grpc.servicer import OptunaStorageProxyService
+
+    pool = ThreadPoolExecutor(max_workers=10, thread_name_prefix="optuna-grpc")
+    server = grpc.server(pool)
+    add_StorageServiceServicer_to_server(OptunaStorageProxyService(storage), server)
+    return server, pool, server.add_insecure_port(f"{host}:0")
 
 
 # ---- submitit --------------------------------------------------------------------------------------

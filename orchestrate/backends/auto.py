@@ -333,8 +333,9 @@ def judge(probes: list[Probe], reference: str, tolerance: float, what: str, afte
     reference stopped at as the slower; when the reference is not a candidate or has no finite
     loss, the first that finished is the reference) and choose the one that agrees whose run
     (`Probe.run_s`: its warm-up, then `after_warmup` steps) is the shortest. A probe stopped as
-    slower is not compared: it can no longer be the cheapest (unless the one that was cheaper
-    disagrees; then the reference itself may be the choice). When no probe finished (every
+    slower is not a choice (it can no longer be the cheapest, unless the one that was cheaper
+    disagrees; then the reference itself may be the choice), but its loss is compared at the step
+    it stopped at, so one both slower and wrong says so. When no probe finished (every
     one diverged, failed, ended on a nan loss or was refused), the reference trains the run all the
     same (or the first that took the config), as it would have without auto: the run then shows why
     (a loss that becomes nan at step 7 does so on every backend, and the run stops there with its
@@ -360,6 +361,13 @@ def judge(probes: list[Probe], reference: str, tolerance: float, what: str, afte
         if not p.agrees:
             p.verdict = (f"disagrees: loss {p.loss:.4f} against {base.name}'s {base.loss:.4f} ({abs(p.difference):.1%} "
                          f"apart)")
+    for p in probes:  # stopped as slower, not the reference: wrong too?
+        if p not in compared and p.stopped_at in base.losses and math.isfinite(p.losses.get(p.stopped_at, math.nan)):
+            p.loss, then = p.losses[p.stopped_at], base.losses[p.stopped_at]
+            p.difference = (p.loss - then) / max(abs(then), 1e-12)
+            if abs(p.difference) > tolerance:
+                p.verdict = (f"disagrees: loss {p.loss:.4f} against {base.name}'s {then:.4f} at step {p.stopped_at} "
+                             f"({abs(p.difference):.1%} apart); {p.verdict}")
     chosen = min((p for p in compared if p.agrees), key=lambda p: p.run_s(after_warmup))
     for p in compared:
         if p is chosen:

@@ -5,7 +5,9 @@ when a sweep starts. In order:
    sweeper reads them, become Optuna distributions; the other overrides are fixed for every trial.
 2. The study: in a database beside the MLflow store, named after the sweep, so that the same sweep
    run again finds it: its finished and pruned trials count, a trial an earlier attempt left
-   running (the process was killed) is failed and its parameters run again.
+   running (the process was killed) is failed and its parameters run again. Trials on a Ray
+   cluster's other hosts reach a SQLite study through Optuna's gRPC proxy, served from here
+   (`served`, orchestrate.sweeps.remote).
 3. The slots: as many trials run at once as the launcher can run. Each slot's trial is launched
    alone (`launcher.launch([overrides], trial.number)`), from its own thread when there are
    several slots; the study is asked and told from this thread only.
@@ -14,12 +16,14 @@ when a sweep starts. In order:
    max_failure_rate no new trial starts and the sweep raises the first failure.
 """
 
+import contextlib
 import logging
 import math
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,12 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import thirdparty
 from orchestrate.redact import redact_text
 from orchestrate.schema import ConfigError
-from orchestrate.sweeps import plan
+from orchestrate.sweeps import plan, remote
 from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
+from orchestrate.sweeps.slurm import is_slurm
 
 log = logging.getLogger(__name__)
+GRPC_STOP_S = 10.0  # the longest the study's gRPC proxy waits for its last calls when the sweep ends
 
 
 # ---- 1. the search space -------------------------------------------------------------------------
@@ -153,18 +159,20 @@ def create_database(storage: str) -> None:
                           "to a database the trials can reach") from None
 
 
-def remote_trials(config: DictConfig) -> str | None:
-    """Why the trials may run on other machines (so a SQLite file here is out of their reach), or None."""
-    from orchestrate.sweeps.slurm import is_slurm
-
-    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
-    if is_slurm(config):
-        return "hydra/launcher=submitit_slurm runs the trials on the cluster's nodes"
-    address = OmegaConf.select(config, "hydra.launcher.address", default=None)
-    if launcher.endswith("OrchestrateRayLauncher") and address not in (None, "local") \
-            and address.split("://")[-1].split(":")[0] not in ("127.0.0.1", "localhost"):
-        return f"hydra.launcher.address={address} runs the trials on the Ray cluster's nodes"
-    return None
+@contextlib.contextmanager
+def served(study, host: str) -> Iterator[str]:
+    """The study served to trials on other hosts by Optuna's gRPC storage proxy, on `host` (this
+    machine's address toward them), while the block runs: yields the URL the trials open
+    (orchestrate.sweeps.pruning). The proxy serves the sweeper's own storage object, so both see
+    one cache; its threads end with it."""
+    server, pool, port = thirdparty.optuna_grpc_proxy(study._storage, host)
+    server.start()
+    log.info(f"Optuna study served to the trials' hosts on {host}:{port} (gRPC)")
+    try:
+        yield f"grpc://{host}:{port}"
+    finally:
+        server.stop(grace=None).wait(GRPC_STOP_S)
+        pool.shutdown(wait=True)
 
 
 def open_study(conf: dict, config: DictConfig, space: SearchSpace):
@@ -176,9 +184,9 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
 
     # A bare postgresql:// would pick SQLAlchemy 2.1's default driver, psycopg 3 (not installed).
     storage = with_driver(conf["storage"] or default_storage(config.tracking.uri))
-    if not conf["storage"] and storage.startswith("sqlite") and (why := remote_trials(config)):
+    if not conf["storage"] and storage.startswith("sqlite") and is_slurm(config):
         raise ConfigError(f"hydra.sweeper.storage=null: the study would be a SQLite file on this machine "
-                          f"({storage}), and {why}; set hydra.sweeper.storage to a database every node can "
+                          f"({storage}), and {remote.elsewhere(config)}; set hydra.sweeper.storage to a database every node can "
                           "reach (postgresql://USER:PASSWORD@HOST:PORT/DB)")
     create_database(storage)
     name = conf["study_name"] or f"{config.sweep.name}-{plan.sweep_key(config)}"
@@ -254,6 +262,10 @@ def sweep(sweeper, arguments: list[str]) -> None:
     conf, config = sweeper.conf, sweeper.config
     space = SearchSpace.parse(conf.get("params"), arguments)
     study, storage, name = open_study(conf, config, space)
+    services = contextlib.ExitStack()  # the study served to the trials' hosts, if they are elsewhere
+    trial_storage = storage
+    if storage.startswith("sqlite") and remote.cluster_head(config) is not None:
+        trial_storage = services.enter_context(served(study, remote.server_host(config)))
     # An earlier attempt that was killed left its running trials RUNNING: failed, and run again
     # (enqueued once: Optuna's own skip_if_exists would find the failed trial itself and skip it).
     waiting = [t.system_attrs.get("fixed_params", t.params)
@@ -288,7 +300,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
         shown = [f"{k}={v}" for k, v in trial.params.items()]  # what tells this trial apart
         # The trial finds its study from the last two (orchestrate.sweeps.pruning.of_this_job):
         # Hydra keeps `hydra.*` overrides out of the job's task overrides, which name the trial.
-        job = [*space.overrides(trial.params), f"hydra.sweeper.storage='{storage}'",
+        job = [*space.overrides(trial.params), f"hydra.sweeper.storage='{trial_storage}'",
                f"hydra.sweeper.study_name='{name}'"]
         running[trial.number] = trial
 
@@ -330,6 +342,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
         raise
     finally:
         thirdparty.optuna_optimize_loop_end(study)
+        services.close()
     write_results(config, study, storage, name)
     if len(failures) > allowed_failures:
         raise failures[0].error

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import plots, ray_cluster, stack
 from orchestrate.redact import redact_override
-from orchestrate.sweeps import _server, _summary, plan
+from orchestrate.sweeps import _server, _summary, plan, remote
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.slurm import is_slurm
 from orchestrate.tracking.handover import ParentRun
@@ -27,6 +27,19 @@ SWEEP_KEY = "orchestrate.sweep_key"
 TRIAL_KEY = "orchestrate.trial"
 INDEX_KEY = "orchestrate.trial_index"
 PARENT_KEY = "mlflow.parentRunId"
+REACH_TIMEOUT_S = 20.0  # the longest a trial waits for the sweep's MLflow server to answer before its run opens
+
+
+def answers(uri: str, timeout_s: float) -> bool:
+    """Whether the MLflow server at `uri` answers /health, asked again until `timeout_s` passed."""
+    from orchestrate.server import health
+
+    deadline = time.monotonic() + timeout_s
+    while not health(uri, min(5.0, timeout_s)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def trial_name(overrides: list[str], fixed: list[str]) -> str:
@@ -57,6 +70,11 @@ def parent_name(name: str, config: DictConfig) -> str:
 def open_trial(parent: ParentRun, config: DictConfig) -> str:
     """The run a job logs into: a new child of the parent, or (resuming) the trial's FINISHED
     child from an earlier attempt, which the app then skips."""
+    if parent.uri.startswith("http") and not answers(parent.uri, REACH_TIMEOUT_S):
+        import socket  # a trial on a host that cannot reach the server: one line now, not MLflow's retries for minutes
+
+        raise RuntimeError(f"the sweep's MLflow server {parent.uri} did not answer on {socket.gethostname()} within "
+                           f"{REACH_TIMEOUT_S:g} s")
     name = trial_name(list(config.hydra.overrides.task), parent.command)
     if name in parent.finished:
         return parent.finished[name]
@@ -88,6 +106,7 @@ class Sweep:
         self.settings = settings
         self.began = time.time()
         self.server = None
+        self.host = "127.0.0.1"  # where the sweep's own server listens
         self.server_warm = None  # whether the sweep's server was the warm stack's; None: it had none
         uri = absolute_uri(settings.tracking_uri)
         new_sqlite_store(uri)
@@ -101,13 +120,14 @@ class Sweep:
             from orchestrate.sweeps import prestart
 
             began = time.perf_counter()
+            self.host = remote.server_host(config)  # 127.0.0.1, or toward a cluster whose hosts run the trials
             self.server = prestart.take_server(uri)  # started by the command line, while it checked the trials
-            if self.server is None and (warm := _server.warm_server(uri)) is not None:
+            if self.server is None and self.host == "127.0.0.1" and (warm := _server.warm_server(uri)) is not None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running
             if self.server is None:
-                _server.prepare_store(uri, settings.experiment)
-                self.server = _server.TrackingServer(uri, Path("mlartifacts").resolve())
+                _server.prepare_store(uri, settings.experiment, served_artifacts=self.host != "127.0.0.1")
+                self.server = _server.TrackingServer(uri, Path("mlartifacts").resolve(), host=self.host)
             log.info(f"MLflow server for the sweep on {self.server.uri} "
                      f"(waited {time.perf_counter() - began:.1f} s for it)")
             uri = self.server.uri
@@ -196,7 +216,8 @@ class Sweep:
             # Ctrl-C reaches every process of the terminal's group, the sweep's own server too: a
             # new one in front of the same store and artifacts takes the summary.
             self.server.stop()
-            self.server = _server.TrackingServer(absolute_uri(self.settings.tracking_uri), self.server.artifacts)
+            self.server = _server.TrackingServer(absolute_uri(self.settings.tracking_uri), self.server.artifacts,
+                                                 host=self.host)
             self.uri, self.client = self.server.uri, MlflowClient(tracking_uri=self.server.uri)
         try:
             rows = self.rows()

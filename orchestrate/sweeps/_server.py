@@ -15,13 +15,18 @@ def own_server(uri: str, tracking_server: bool) -> bool:
     return uri.startswith("sqlite:") and tracking_server
 
 
-def prepare_store(sqlite_uri: str, experiment: str) -> None:
+def prepare_store(sqlite_uri: str, experiment: str, served_artifacts: bool = False) -> None:
     """Create the store's tables and the experiment, writing to the SQLite file directly: the
-    experiment's artifact root is then ./mlruns, as for a single run."""
+    experiment's artifact root is then ./mlruns, as for a single run. With `served_artifacts`
+    (trials on other hosts), the tables only: the sweep's server creates the experiment, whose
+    artifacts it then takes over HTTP (mlflow-artifacts:/), which every host can reach."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=sqlite_uri)
-    training_experiment(client, experiment)
+    if served_artifacts:
+        client.search_experiments(max_results=1)  # MLflow makes the tables when it opens the store
+    else:
+        training_experiment(client, experiment)
     write_ahead(sqlite_uri)
 
 
@@ -53,17 +58,18 @@ def warm_server(sqlite_uri: str) -> WarmServer | None:
 
 
 class TrackingServer(MlflowServer):
-    """`mlflow server` on a free port of 127.0.0.1 in front of a SQLite store, its output in a
+    """`mlflow server` on a free port of 127.0.0.1 (or of `host`: this machine's address toward
+    a Ray cluster whose hosts run the trials, orchestrate.sweeps.remote) in front of a SQLite store, its output in a
     temporary log file (kept, and named, only when the server failed). Many trials writing to one
     SQLite file at once fail ("database is locked", schema races); one server serialises their
     writes. With `wait=False` the server is only started: `wait_healthy` waits for it."""
 
     warm = False
 
-    def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True):
+    def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True, host: str = "127.0.0.1"):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
         self.failed = False
-        super().__init__(sqlite_uri, artifact_root, log=self.log, wait=False, detached=True)
+        super().__init__(sqlite_uri, artifact_root, host=host, log=self.log, wait=False, detached=True)
         if wait:
             self.wait_healthy()
 

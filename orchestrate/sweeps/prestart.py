@@ -71,14 +71,16 @@ def _start_server(cfg: DictConfig) -> list[Path]:
         return []  # refused by _runs.Sweep with its own message
 
     from orchestrate.sweeps._server import warm_server
+    from orchestrate.sweeps.remote import server_host
 
-    if warm_server(uri) is not None:
+    host = server_host(cfg)
+    if host == "127.0.0.1" and warm_server(uri) is not None:
         return []  # the warm stack's server fronts this store (`orchestrate up`): `_runs.Sweep` uses it
     path = Path(uri.removeprefix("sqlite:///"))
     made = [] if path.exists() else [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
     new_sqlite_store(uri)
-    prepare_store(uri, str(tracking.experiment))
-    _SERVERS[uri] = TrackingServer(uri, Path("mlartifacts").resolve(), wait=False)
+    prepare_store(uri, str(tracking.experiment), served_artifacts=host != "127.0.0.1")
+    _SERVERS[uri] = TrackingServer(uri, Path("mlartifacts").resolve(), wait=False, host=host)
     return made
 
 

@@ -5,7 +5,8 @@ trial and launches it as Hydra job number `trial.number`, with the study's stora
 overrides of `hydra.sweeper`. Wherever the job runs (this process, a Ray worker, a Slurm node),
 it finds its trial from those (`of_this_job`); the meter then reports every evaluation of
 `sweep.metric` to it (`Trial.report`), and the study's pruner, which sees every trial's reports
-in the shared storage, says whether this one should stop. A trial that stops records the step in
+in the shared storage (or through the sweep's gRPC proxy of it, for trials on other hosts), says
+whether this one should stop. A trial that stops records the step in
 its Optuna trial (`pruned_at`), where the sweeper reads it to tell the study the trial was pruned.
 
 This module stays light: Optuna is imported at the first report, on the rank that evaluates.
@@ -55,11 +56,35 @@ class Trial:
             from hydra.utils import instantiate
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" per trial
-            study = optuna.load_study(study_name=self.study_name, storage=self.storage,
+            study = optuna.load_study(study_name=self.study_name, storage=opened(self.storage),
                                       pruner=instantiate(self.pruner) if self.pruner else None)
             trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, self.number)
             self._trial = optuna.trial.Trial(study, trial_id)
         return self._trial
+
+
+STUDY_CONNECT_TIMEOUT_S = 30.0  # the longest a trial waits for the sweep's study server to answer
+
+
+def opened(storage: str):
+    """The study's storage as a trial opens it: its URL, or for `grpc://HOST:PORT` (a study the
+    sweep serves to other hosts, orchestrate.sweeps._optuna.served) Optuna's proxy to it, once it
+    answers (a RuntimeError naming the host and the URL if it does not within
+    STUDY_CONNECT_TIMEOUT_S)."""
+    if not storage.startswith("grpc://"):
+        return storage
+    import socket
+
+    from optuna.storages import GrpcStorageProxy
+
+    host, _, port = storage.removeprefix("grpc://").rpartition(":")
+    proxy = GrpcStorageProxy(host=host, port=int(port))
+    try:
+        proxy.wait_server_ready(timeout=STUDY_CONNECT_TIMEOUT_S)
+    except ConnectionError:
+        raise RuntimeError(f"hydra.sweeper.storage={storage}: the sweep's study did not answer on "
+                           f"{socket.gethostname()} within {STUDY_CONNECT_TIMEOUT_S:g} s") from None
+    return proxy
 
 
 def of_this_job(cfg: DictConfig) -> Trial | None:

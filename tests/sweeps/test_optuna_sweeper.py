@@ -62,12 +62,6 @@ def test_the_study_lives_beside_the_mlflow_store(tmp_path, monkeypatch) -> None:
     assert _optuna.default_storage("sqlite:///runs/mlflow.db") == f"sqlite:///{tmp_path}/runs/mlflow-optuna.db"
     assert _optuna.default_storage("postgresql://u:p@db:5432/mlflow") == "postgresql://u:p@db:5432/mlflow_optuna"
     assert _optuna.default_storage("http://127.0.0.1:5000") == f"sqlite:///{tmp_path}/optuna.db"
-    slurm = OmegaConf.create({"hydra": {"launcher": {"_target_": "x.SlurmLauncher"}}})
-    assert "cluster's nodes" in _optuna.remote_trials(slurm)
-    ray = OmegaConf.create({"hydra": {"launcher": {"_target_": "a.OrchestrateRayLauncher", "address": "10.0.0.5:6379"}}})
-    assert "10.0.0.5" in _optuna.remote_trials(ray)
-    ray.hydra.launcher.address = None
-    assert _optuna.remote_trials(ray) is None
 
 
 def test_a_bad_sweeper_setting_is_one_line_before_any_run_opens(tmp_path):
