@@ -7,6 +7,7 @@
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from orchestrate.sweeps import pruning
 from orchestrate.tracking.handover import finished_run_metrics
 from orchestrate.tracking.params import config_key
 from orchestrate.tracking.run import Run, which_run
-from orchestrate.tracking.stores import deleted_experiment, open_ui, reachable
+from orchestrate.tracking.stores import open_ui, reachable, unusable_experiment
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Checked:
     """What the checks of many configs (a sweep's trials) share."""
 
     stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
-    experiments: dict[tuple[str, str], str | None] = field(default_factory=dict)  # `deleted_experiment`'s answers
+    experiments: dict[tuple[str, str], str | None] = field(default_factory=dict)  # `unusable_experiment`'s answers
     models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
     built: dict[Any, Any] = field(default_factory=dict)  # what backends' checks built, by their key (Job.built)
 
@@ -86,7 +87,9 @@ def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
                       built=checked.built if shared else None)
     experiment = (uri, cfg.tracking.experiment)
     if experiment not in checked.experiments:  # MLflow would refuse the run only once it opens
-        checked.experiments[experiment] = deleted_experiment(*experiment)
+        # A sweep's trials (checked together, or run with the sweep's server as MLflow's URI) write through its server.
+        direct = not shared and not os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http:", "https:"))
+        checked.experiments[experiment] = unusable_experiment(*experiment, direct=direct)
     if checked.experiments.get(experiment):
         raise schema.ConfigError(checked.experiments[experiment])
     which_run(cfg)
@@ -157,6 +160,8 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
                 raise
             finally:
                 job.close_data()
+                if job.meter.trial is not None:
+                    job.meter.trial.close()
             job.meter.close()
             metrics = job.meter.summary()
             pruned_at = metrics.get("pruned_at")  # the runner's meter has it from rank 0's summary

@@ -126,7 +126,9 @@ def check_trial_resources(launcher) -> None:
         (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
     if address:
         from orchestrate import ray_cluster
+        from orchestrate.launch import _core
 
+        _core.before_ray_import()  # the check imports Ray: the launcher's settings first
         try:  # a cluster that is not there or refuses this process: seconds, before any run opens
             ray_cluster.check_access(address, key)
         except ray_cluster.RayUnavailable as e:

@@ -241,6 +241,33 @@ def hosts():
         yield started
 
 
+USER_MODEL = '''\
+"""A model of the user's own, beside the driver only."""
+import torch
+
+
+class DigitsNet(torch.nn.Module):
+    def __init__(self, in_features: int = 64, num_classes: int = 10, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(in_features, width), torch.nn.ReLU(),
+                                          torch.nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.layers(x)
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    """The user's project for the tests on hosts: a model module and a `--config-dir` folder
+    (conf/model/usernet.yaml), on the driver's host only."""
+    (tmp_path / "user_model.py").write_text(USER_MODEL)
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "usernet.yaml").write_text(
+        "_target_: user_model.DigitsNet\nin_features: 64\nnum_classes: 10\nwidth: 32\n")
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def s3_on_hosts(hosts):
     """An S3 API server (moto's server mode, as Ray's and pyarrow's own S3 tests use) on the

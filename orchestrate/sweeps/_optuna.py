@@ -22,8 +22,8 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -34,9 +34,17 @@ class Trial:
     metric: str  # the history key the pruner is told: `eval/loss` for sweep.metric=eval_loss
     pruner: dict  # hydra.sweeper.pruner: each process builds the same pruner to ask it
     _trial: Any = field(default=None, repr=False, compare=False)
+    _storage: Any = field(default=None, repr=False, compare=False)  # what the study was opened with
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_trial": None}
+        return {**self.__dict__, "_trial": None, "_storage": None}
+
+    def close(self) -> None:
+        """Close the connection to a study served over gRPC (the sweep's proxy ends with the
+        sweep; an open channel would log its going away)."""
+        storage, self._storage, self._trial = self._storage, None, None
+        if hasattr(storage, "close"):
+            storage.close()
 
     def report(self, step: int, metrics: dict[str, float], ask: bool = True) -> bool:
         """Tell the study this evaluation; with `ask`, True when its pruner says the trial should
@@ -56,7 +64,8 @@ class Trial:
             from hydra.utils import instantiate
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" per trial
-            study = optuna.load_study(study_name=self.study_name, storage=opened(self.storage),
+            self._storage = opened(self.storage)
+            study = optuna.load_study(study_name=self.study_name, storage=self._storage,
                                       pruner=instantiate(self.pruner) if self.pruner else None)
             trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, self.number)
             self._trial = optuna.trial.Trial(study, trial_id)
@@ -74,11 +83,14 @@ def opened(storage: str):
     if not storage.startswith("grpc://"):
         return storage
     import socket
+    import warnings
 
-    from optuna.storages import GrpcStorageProxy
+    import optuna
 
     host, _, port = storage.removeprefix("grpc://").rpartition(":")
-    proxy = GrpcStorageProxy(host=host, port=int(port))
+    with warnings.catch_warnings():  # "GrpcStorageProxy is experimental": on every trial's console
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        proxy = optuna.storages.GrpcStorageProxy(host=host, port=int(port))
     try:
         proxy.wait_server_ready(timeout=STUDY_CONNECT_TIMEOUT_S)
     except ConnectionError:

@@ -41,12 +41,12 @@ def host_of(address: str) -> str:
 
 
 def cluster_head(config: DictConfig) -> tuple[str, str] | None:
-    """(the host of the Ray cluster's head the trials run on, the setting that names it) when it
-    is not this machine's loopback; None for a local Ray or another launcher."""
+    """(the host of the Ray cluster's head the trials run on, the setting that names it, as
+    `key=value`) when it is not this machine's loopback; None for a local Ray or another launcher."""
     found = _ray_address(config)
     if found is None or found[0] in ("local", "auto") or host_of(found[0]) in LOOPBACK:
         return None
-    return host_of(found[0]), found[1]
+    return host_of(found[0]), f"{found[1]}={found[0]}"
 
 
 def elsewhere(config: DictConfig) -> str | None:
@@ -58,7 +58,7 @@ def elsewhere(config: DictConfig) -> str | None:
         return "hydra/launcher=submitit_slurm runs the trials on the cluster's nodes"
     head = cluster_head(config)
     if head is not None:
-        return f"{head[1]}={head[0]} runs the trials on the Ray cluster's hosts"
+        return f"{head[1]} runs the trials on the Ray cluster's hosts"
     return None
 
 
@@ -78,7 +78,7 @@ def server_host(config: DictConfig) -> str:
     try:
         return address_toward(head[0])
     except OSError as e:
-        raise ConfigError(f"{head[1]}={head[0]}: no route from this machine to the Ray head ({e.strerror}); "
+        raise ConfigError(f"{head[1]}: no route from this machine to the Ray head ({e.strerror}); "
                           "the trials' hosts could not reach the sweep's MLflow server here") from None
 
 
@@ -88,7 +88,7 @@ def check_reporting(config: DictConfig) -> None:
     head = cluster_head(config)
     if head is None:
         return
-    where = f"{head[1]}={head[0]} runs the trials on the Ray cluster's hosts, which share neither this machine's disk nor its 127.0.0.1"
+    where = f"{head[1]} runs the trials on the Ray cluster's hosts, which share neither this machine's disk nor its 127.0.0.1"
     tracking = OmegaConf.select(config, "hydra.callbacks.sweep_tracking")
     if tracking is not None:
         from orchestrate.tracking.stores import absolute_uri

@@ -38,10 +38,13 @@ def training_experiment(client, name: str) -> str:
     return found.experiment_id
 
 
-def deleted_experiment(uri: str, name: str) -> str | None:
-    """One sentence when `name` is an experiment in MLflow's deleted state in the store at `uri`
-    (MLflow refuses runs there, and keeps the name until `mlflow gc`); None otherwise, and for a
-    store not made yet (nothing opens it here)."""
+def unusable_experiment(uri: str, name: str, direct: bool = True) -> str | None:
+    """One sentence when a run cannot log into experiment `name` of the store at `uri`: it is in
+    MLflow's deleted state (MLflow refuses runs there, and keeps the name until `mlflow gc`), or
+    its artifacts are served by an MLflow server (mlflow-artifacts:/, as a sweep on a cluster's
+    hosts makes it, orchestrate.sweeps.remote) and the run writes to the database itself
+    (`direct`: not through a sweep's server), through which MLflow cannot reach them. None
+    otherwise, and for a store not made yet (nothing opens it here)."""
     if "://" not in uri or uri.startswith("file://"):
         if not Path(uri.removeprefix("file://")).exists():
             return None
@@ -51,7 +54,14 @@ def deleted_experiment(uri: str, name: str) -> str | None:
 
     # Absolute: MLflow keeps one store per URI string for the process (another folder's mlflow.db).
     found = MlflowClient(tracking_uri=absolute_uri(uri)).get_experiment_by_name(name)
-    if found is None or found.lifecycle_stage != "deleted":
+    if found is None:
+        return None
+    if found.artifact_location.startswith("mlflow-artifacts:") and direct and not uri.startswith(("http:", "https:")):
+        return (f"tracking.experiment={name}: its artifacts are kept behind an MLflow server ({found.artifact_location}: "
+                f"a sweep on a cluster's hosts made it), which tracking.uri={redact_text(uri)} cannot reach; serve the "
+                f"store (`mlflow server --backend-store-uri {redact_text(uri)}`, from the folder that holds mlartifacts) "
+                "and set tracking.uri=http://127.0.0.1:5000, or choose another experiment name")
+    if found.lifecycle_stage != "deleted":
         return None
     return (f"tracking.experiment={name}: the experiment (id {found.experiment_id}) is deleted in "
             f"{redact_text(uri)}; restore it (`mlflow experiments restore --experiment-id {found.experiment_id}` with "

@@ -194,7 +194,8 @@ def test_a_reference_stopped_as_slower_is_compared_with_at_the_step_it_stopped()
     assert off.verdict == "disagrees: loss 2.5000 against torch's 1.5200 (64.5% apart)"
     assert torch_.verdict == "slower than off: stopped at step 10"
     off, ondevice, torch_ = three()  # one stopped as slower is compared at that step: wrong too, it says so
-    off.stopped_at, off.finished, off.losses, off.verdict = 10, False, {5: 3.0, 10: 2.5}, "slower than ondevice: stopped at step 10"
+    off.stopped_at, off.finished, off.losses = 10, False, {5: 3.0, 10: 2.5}
+    off.verdict = "slower than ondevice: stopped at step 10"
     judge([ondevice, off, torch_], "ondevice", 0.1, "backend=auto", 1000)
     assert off.verdict == ("disagrees: loss 2.5000 against ondevice's 1.5000 at step 10 (66.7% apart); slower than "
                            "ondevice: stopped at step 10")

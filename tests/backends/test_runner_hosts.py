@@ -9,7 +9,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,36 +18,6 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import metric_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
-
-USER_MODEL = '''\
-"""A model of the user's own, beside the driver only."""
-import torch
-
-
-class DigitsNet(torch.nn.Module):
-    def __init__(self, in_features: int = 64, num_classes: int = 10, width: int = 32):
-        super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(in_features, width), torch.nn.ReLU(),
-                                          torch.nn.Linear(width, num_classes))
-
-    def forward(self, x):
-        return self.layers(x)
-'''
-
-
-@pytest.fixture
-def project(tmp_path):
-    """The user's project: a model module and a `--config-dir` folder, on the driver's host only."""
-    (tmp_path / "user_model.py").write_text(USER_MODEL)
-    (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "usernet.yaml").write_text(textwrap.dedent("""\
-        _target_: user_model.DigitsNet
-        in_features: 64
-        num_classes: 10
-        width: 32
-        """))
-    return tmp_path
-
 
 def runner_command(hosts, *overrides) -> list[str]:
     """The runner on the hosts' cluster, the user's model, as typed from the project's folder."""

@@ -13,7 +13,6 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper import OrchestrateOptunaSweeper

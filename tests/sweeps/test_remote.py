@@ -23,13 +23,14 @@ def test_trials_are_elsewhere_only_on_a_cluster_at_another_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     slurm = OmegaConf.create({"hydra": {"launcher": {"_target_": "x.SlurmLauncher"}}})
     assert "cluster's nodes" in remote.elsewhere(slurm)
-    assert "hydra.launcher.address=10.0.0.5" in remote.elsewhere(config("10.0.0.5:6379"))
-    assert remote.cluster_head(config("ray://head.example:10001")) == ("head.example", "hydra.launcher.address")
+    assert "hydra.launcher.address=10.0.0.5:6379 runs" in remote.elsewhere(config("10.0.0.5:6379"))
+    assert remote.cluster_head(config("ray://head.example:10001")) == ("head.example",
+                                                                       "hydra.launcher.address=ray://head.example:10001")
     for local in (None, "local", "auto", "127.0.0.1:6379", "localhost:6379"):
         assert remote.elsewhere(config(local)) is None, local
         assert remote.server_host(config(local)) == "127.0.0.1"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
-    assert remote.cluster_head(config()) == ("10.0.0.7", "RAY_ADDRESS")
+    assert remote.cluster_head(config()) == ("10.0.0.7", "RAY_ADDRESS=10.0.0.7:6379")
 
 
 def test_the_servers_listen_on_this_machines_address_toward_the_head(monkeypatch):
@@ -40,7 +41,7 @@ def test_the_servers_listen_on_this_machines_address_toward_the_head(monkeypatch
         raise OSError(101, "Network is unreachable")
 
     monkeypatch.setattr(remote, "address_toward", unreachable)
-    with pytest.raises(ConfigError, match="hydra.launcher.address=192.0.2.1: no route .* .Network is unreachable."):
+    with pytest.raises(ConfigError, match="hydra.launcher.address=192.0.2.1:6379: no route .* .Network is unreachable."):
         remote.server_host(config("192.0.2.1:6379"))
 
 
@@ -53,7 +54,7 @@ def test_the_servers_listen_on_this_machines_address_toward_the_head(monkeypatch
 def test_what_trials_on_other_hosts_could_not_report_to_is_refused(settings, key):
     with pytest.raises(ConfigError) as e:
         remote.check_reporting(config("10.0.0.5:6379", **settings))
-    assert str(e.value).startswith(key + ":") and "hydra.launcher.address=10.0.0.5" in str(e.value)
+    assert str(e.value).startswith(key + ":") and "hydra.launcher.address=10.0.0.5:6379 runs" in str(e.value)
     remote.check_reporting(config(None, **settings))  # on one machine each of them works
 
 
