@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 log = logging.getLogger(__name__)
-LOOPBACK = ("127.0.0.1", "localhost")
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # hosts that mean this machine only
 EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_background`
 _LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
 _EARLY: "_EarlyStart | None" = None  # a start begun by `init_in_background`, not yet taken by `init`
@@ -63,6 +63,18 @@ def init(address: str | None, key: str, **local_options) -> bool:
     return _start(address, key, **local_options)
 
 
+def host_of(address: str) -> str:
+    """The host of a Ray address (or of a URI): `10.0.0.5:6379`, `ray://head:10001`, `head`."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(address if "://" in address else f"ray://{address}").hostname or address
+
+
+def on_loopback(address: str) -> bool:
+    """Whether a Ray address (or a URI) names this machine's loopback: its hosts cannot be others."""
+    return host_of(address) in LOOPBACK
+
+
 def _start(address: str | None, key: str, **local_options) -> bool:
     global _WARM
     address = address or os.environ.get("RAY_ADDRESS")
@@ -73,7 +85,7 @@ def _start(address: str | None, key: str, **local_options) -> bool:
         warm = address = stack.ray_address()
         if warm is not None:
             os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head's mode (its token: Ray's default file)
-    local = address is None or address.split("://")[-1].split(":")[0] in LOOPBACK
+    local = address is None or on_loopback(address)
     if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address is None and "ray" not in sys.modules:
@@ -143,22 +155,24 @@ NOT_SHIPPED = (".venv", "venv", ".git", "__pycache__", "outputs", "multirun", "m
 
 def runtime_env(address: str, local: bool) -> dict | None:
     """The job's runtime environment.
-    - On this machine (a local instance or a loopback address): RAY_ADDRESS set in its workers to
-      the cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
+    - Wherever it is (but a Ray Client address or `auto`): RAY_ADDRESS set in its workers to the
+      cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
       State API about the run's controller with no address; with two Ray instances on the machine
       (a user's own `ray start` beside this one) that lookup finds both, warns "Found multiple
       active Ray instances" every second, and asks the other one, where the controller is
-      unknown: the cleaner could then remove the running workers' placement group.
+      unknown: the cleaner could then remove the running workers' placement group. (Seen on
+      the test hosts too: a host whose processes see another Ray's.)
     - A cluster elsewhere, whose other hosts share no disk with this one: the working folder (the
       user's own modules: the model a `--config-dir` config names) goes to every worker, as `ray
       job submit --working-dir` sends it, without NOT_SHIPPED; not inside a Ray job that was
       submitted with a working folder of its own (the job's is the one)."""
+    own = {} if "://" in address or address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
     if local:
-        return None if "://" in address or address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
+        return own or None
     submitted = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {}
     if submitted.get("working_dir"):
         return None
-    return {"working_dir": os.getcwd(), "excludes": list(NOT_SHIPPED)}
+    return {"working_dir": os.getcwd(), "excludes": list(NOT_SHIPPED), **own}
 
 
 # Lines Ray relays from its own processes to this driver's console that say nothing to act on;

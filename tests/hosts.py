@@ -217,13 +217,8 @@ class Hosts:
             self.start_ray()
 
     def _ray_env(self) -> dict[str, str]:
-        """The nodes' environment (their workers inherit it). RAY_ADDRESS: a real machine runs one
-        Ray, but the hosts share this machine's process table, where the suite's other Rays are
-        seen too; Ray code that looks for "the" cluster there (Ray Train's placement group
-        cleaner asks its state API) would find several, and fail."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-        return {**env, **self.env, "RAY_ADDRESS": self.ray_address, "RAY_USAGE_STATS_ENABLED": "0",
-                "PYTHONUNBUFFERED": "1"}
+        return {**env, **self.env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
     def start_ray(self) -> None:
         ray = str(Path(sys.executable).parent / "ray")

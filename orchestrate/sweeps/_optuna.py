@@ -262,10 +262,6 @@ def sweep(sweeper, arguments: list[str]) -> None:
     conf, config = sweeper.conf, sweeper.config
     space = SearchSpace.parse(conf.get("params"), arguments)
     study, storage, name = open_study(conf, config, space)
-    services = contextlib.ExitStack()  # the study served to the trials' hosts, if they are elsewhere
-    trial_storage = storage
-    if storage.startswith("sqlite") and remote.cluster_head(config) is not None:
-        trial_storage = services.enter_context(served(study, remote.server_host(config)))
     # An earlier attempt that was killed left its running trials RUNNING: failed, and run again
     # (enqueued once: Optuna's own skip_if_exists would find the failed trial itself and skip it).
     waiting = [t.system_attrs.get("fixed_params", t.params)
@@ -315,7 +311,11 @@ def sweep(sweeper, arguments: list[str]) -> None:
 
     began = time.perf_counter()
     launched = 0
+    services = contextlib.ExitStack()  # the study served to the trials' hosts, if they are elsewhere
     try:
+        trial_storage = storage  # what the trials open (`start`)
+        if storage.startswith("sqlite") and remote.cluster_head(config) is not None:
+            trial_storage = services.enter_context(served(study, remote.server_host(config)))
         while launched < to_run or running:
             while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
                    and not stop_requested()):

@@ -13,13 +13,11 @@ network only, as Ray itself does.
 
 import os
 import socket
-from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate.ray_cluster import host_of, on_loopback
 from orchestrate.schema import ConfigError
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 def _ray_address(config: DictConfig) -> tuple[str, str] | None:
@@ -35,16 +33,11 @@ def _ray_address(config: DictConfig) -> tuple[str, str] | None:
     return None
 
 
-def host_of(address: str) -> str:
-    """The host of a Ray address: `10.0.0.5:6379`, `ray://head:10001`, `head`."""
-    return urlsplit(address if "://" in address else f"ray://{address}").hostname or address
-
-
 def cluster_head(config: DictConfig) -> tuple[str, str] | None:
     """(the host of the Ray cluster's head the trials run on, the setting that names it, as
     `key=value`) when it is not this machine's loopback; None for a local Ray or another launcher."""
     found = _ray_address(config)
-    if found is None or found[0] in ("local", "auto") or host_of(found[0]) in LOOPBACK:
+    if found is None or found[0] in ("local", "auto") or on_loopback(found[0]):
         return None
     return host_of(found[0]), f"{found[1]}={found[0]}"
 
@@ -88,6 +81,7 @@ def check_reporting(config: DictConfig) -> None:
     head = cluster_head(config)
     if head is None:
         return
+    server_host(config)  # a head this machine has no route to: refused here, not once the sweep started
     where = f"{head[1]} runs the trials on the Ray cluster's hosts, which share neither this machine's disk nor its 127.0.0.1"
     tracking = OmegaConf.select(config, "hydra.callbacks.sweep_tracking")
     if tracking is not None:
@@ -104,12 +98,12 @@ def check_reporting(config: DictConfig) -> None:
                               "hosts) or http://HOST:PORT (an MLflow server every host reaches)")
         if uri.startswith("sqlite:"):
             _check_served_artifacts(uri, str(tracking.experiment), where)
-        elif urlsplit(uri).hostname in LOOPBACK:
+        elif on_loopback(uri):
             raise ConfigError(f"tracking.uri={tracking.tracking_uri}: {where}; set tracking.uri to an address every "
                               "host reaches, or sqlite:///mlflow.db (the sweep serves it to the hosts)")
     storage = str(OmegaConf.select(config, "hydra.sweeper.storage", default=None) or "")
-    if storage and not storage.startswith("sqlite") and urlsplit(storage).hostname in LOOPBACK:
-        raise ConfigError(f"hydra.sweeper.storage=...@{urlsplit(storage).hostname}: {where}; set it to a database "
+    if storage and not storage.startswith("sqlite") and on_loopback(storage):
+        raise ConfigError(f"hydra.sweeper.storage=...@{host_of(storage)}: {where}; set it to a database "
                           "every host reaches, or leave it null (the sweep serves its study to the hosts)")
 
 
@@ -123,9 +117,10 @@ def _check_served_artifacts(sqlite_uri: str, experiment: str, where: str) -> Non
         return
     from mlflow.tracking import MlflowClient
 
+    from orchestrate.tracking.stores import artifacts_on_this_disk
+
     found = MlflowClient(tracking_uri=sqlite_uri).get_experiment_by_name(experiment)
-    if found is not None and "://" not in found.artifact_location.replace("file://", "") \
-            and not found.artifact_location.startswith("mlflow-artifacts:"):
+    if found is not None and artifacts_on_this_disk(found.artifact_location):
         raise ConfigError(f"tracking.experiment={experiment}: its artifacts are kept in {found.artifact_location}, a "
                           f"folder of this machine, and {where}; name a new experiment (tracking.experiment=NAME), "
                           "whose artifacts the sweep's server then takes from every host")

@@ -38,6 +38,15 @@ def training_experiment(client, name: str) -> str:
     return found.experiment_id
 
 
+SERVED_ARTIFACTS = "mlflow-artifacts:"  # an artifact location behind an MLflow server (`--serve-artifacts`)
+
+
+def artifacts_on_this_disk(location: str) -> bool:
+    """Whether an experiment's artifact location is a folder of this machine (a path, file://),
+    which only processes on this machine can write."""
+    return "://" not in location.replace("file://", "", 1) and not location.startswith(SERVED_ARTIFACTS)
+
+
 def unusable_experiment(uri: str, name: str, direct: bool = True) -> str | None:
     """One sentence when a run cannot log into experiment `name` of the store at `uri`: it is in
     MLflow's deleted state (MLflow refuses runs there, and keeps the name until `mlflow gc`), or
@@ -56,7 +65,7 @@ def unusable_experiment(uri: str, name: str, direct: bool = True) -> str | None:
     found = MlflowClient(tracking_uri=absolute_uri(uri)).get_experiment_by_name(name)
     if found is None:
         return None
-    if found.artifact_location.startswith("mlflow-artifacts:") and direct and not uri.startswith(("http:", "https:")):
+    if found.artifact_location.startswith(SERVED_ARTIFACTS) and direct and not uri.startswith(("http:", "https:")):
         return (f"tracking.experiment={name}: its artifacts are kept behind an MLflow server ({found.artifact_location}: "
                 f"a sweep on a cluster's hosts made it), which tracking.uri={redact_text(uri)} cannot reach; serve the "
                 f"store (`mlflow server --backend-store-uri {redact_text(uri)}`, from the folder that holds mlartifacts) "

@@ -86,6 +86,7 @@ def test_the_runner_trains_the_users_model_on_other_hosts_and_survives_losing_on
         hosts.wait_nodes(len(hosts.hosts))
     assert running.returncode == 0, out
     assert "resumed" in out  # (Ray Train's controller prints the lost worker's traceback: see docs/runner.md)
+    assert "Found multiple active Ray instances" not in out  # the suite's other Rays, seen from every host
     (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
     assert run.info.status == "FINISHED"
     # Both ranks ran on the other hosts (the head has no CPUs), not on the driver's.
