@@ -241,54 +241,20 @@ def hosts():
         yield started
 
 
-USER_MODEL = '''\
-"""A model of the user's own, beside the driver only."""
-import torch
-
-
-class DigitsNet(torch.nn.Module):
-    def __init__(self, in_features: int = 64, num_classes: int = 10, width: int = 32):
-        super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(in_features, width), torch.nn.ReLU(),
-                                          torch.nn.Linear(width, num_classes))
-
-    def forward(self, x):
-        return self.layers(x)
-'''
-
-
 @pytest.fixture
 def project(tmp_path):
-    """The user's project for the tests on hosts: a model module and a `--config-dir` folder
-    (conf/model/usernet.yaml), on the driver's host only."""
-    (tmp_path / "user_model.py").write_text(USER_MODEL)
-    (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "usernet.yaml").write_text(
-        "_target_: user_model.DigitsNet\nin_features: 64\nnum_classes: 10\nwidth: 32\n")
-    return tmp_path
+    """The user's project for the tests on hosts (tests.hosts.write_project: a model module and a
+    `--config-dir` folder), on the driver's host only."""
+    from tests.hosts import write_project
+
+    return write_project(tmp_path)
 
 
 @pytest.fixture(scope="session")
 def s3_on_hosts(hosts):
-    """An S3 API server (moto's server mode, as Ray's and pyarrow's own S3 tests use) on the
-    driver's host, which every host reaches; yields the AWS_* variables a driver sets, with the
-    bucket `checkpoints` made."""
-    from tests.hosts import port_on
+    """An S3 API server on the driver's host, which every host reaches (tests.hosts.s3_server);
+    yields the AWS_* variables a driver sets, with the bucket `checkpoints` made."""
+    from tests.hosts import s3_server
 
-    port = port_on(hosts.head)
-    env = {"AWS_ENDPOINT_URL": f"http://{hosts.head.address}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    server = hosts.head.popen([str(Path(sys.executable).parent / "moto_server"), "-H", hosts.head.address, "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    make = ("import boto3, time\n"
-            "for _ in range(100):\n"
-            "    try:\n"
-            "        boto3.client('s3').create_bucket(Bucket='checkpoints'); break\n"
-            "    except Exception:\n"
-            "        time.sleep(0.2)\n"
-            "else:\n"
-            "    raise SystemExit('the S3 server did not answer')\n")
-    hosts.head.run([sys.executable, "-c", make], timeout=60, check=True, env={**os.environ, **env})
-    yield env
-    server.terminate()
-    server.wait(timeout=30)
+    with s3_server(hosts) as env:
+        yield env

@@ -22,6 +22,7 @@ Also used by pytest (the `hosts` fixture of tests/conftest.py, one per session).
 """
 
 import argparse
+import contextlib
 import os
 import secrets
 import shlex
@@ -102,7 +103,8 @@ class Host:
         q = shlex.quote
         lines = [f"mount --bind {q(self.hosts_file)} /etc/hosts", "mount -t tmpfs -o size=64m orchestrate-stage /mnt"]
         lines += [f"mkdir -p /mnt/k{i} && mount --rbind {q(p)} /mnt/k{i}" for i, p in enumerate(keep)]
-        lines += [f"mount -t tmpfs -o size=2g,mode=1777 {self.name}-tmp {q(c)}" for c in covered]
+        # mkdir: a home inside a folder hidden just before (HOME=$(mktemp -d)) is not there any more.
+        lines += [f"mkdir -p {q(c)} && mount -t tmpfs -o size=2g,mode=1777 {self.name}-tmp {q(c)}" for c in covered]
         lines += [f"mkdir -p {q(p)} && mount --move /mnt/k{i} {q(p)}" for i, p in enumerate(keep)]
         lines += [f"mkdir -p {q(self.home)}/.cache"]
         return " && ".join(lines)
@@ -310,6 +312,58 @@ def port_on(host: Host) -> int:
     return int(done.stdout.strip())
 
 
+USER_MODEL = '''\
+"""A model of the user's own, beside the driver only."""
+import torch
+
+
+class DigitsNet(torch.nn.Module):
+    def __init__(self, in_features: int = 64, num_classes: int = 10, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(in_features, width), torch.nn.ReLU(),
+                                          torch.nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.layers(x)
+'''
+
+
+def write_project(folder: Path) -> Path:
+    """A user's project in `folder`, as it lives beside the driver only: a model module and a
+    `--config-dir` folder naming it (`model=usernet`). Returns `folder`."""
+    (folder / "user_model.py").write_text(USER_MODEL)
+    (folder / "conf" / "model").mkdir(parents=True, exist_ok=True)
+    (folder / "conf" / "model" / "usernet.yaml").write_text(
+        "_target_: user_model.DigitsNet\nin_features: 64\nnum_classes: 10\nwidth: 32\n")
+    return folder
+
+
+@contextlib.contextmanager
+def s3_server(hosts: "Hosts", bucket: str = "checkpoints"):
+    """An S3 API server (moto's server mode, as Ray's and pyarrow's own S3 tests use) on the
+    driver's host, which every host reaches; yields the AWS_* variables a driver sets, with
+    `bucket` made; stopped at the end."""
+    port = port_on(hosts.head)
+    env = {"AWS_ENDPOINT_URL": f"http://{hosts.head.address}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = hosts.head.popen([str(Path(sys.executable).parent / "moto_server"), "-H", hosts.head.address,
+                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        make = ("import boto3, time\n"
+                "for _ in range(100):\n"
+                "    try:\n"
+                f"        boto3.client('s3').create_bucket(Bucket={bucket!r}); break\n"
+                "    except Exception:\n"
+                "        time.sleep(0.2)\n"
+                "else:\n"
+                "    raise SystemExit('the S3 server did not answer')\n")
+        hosts.head.run([sys.executable, "-c", make], timeout=60, check=True, env={**os.environ, **env})
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=3)
@@ -329,6 +383,8 @@ def main() -> None:
             signal.pause()
         except KeyboardInterrupt:
             pass
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal does not cut the hosts' removal short
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _interrupt(signum, frame) -> None:

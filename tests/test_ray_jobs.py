@@ -4,13 +4,18 @@
 One head on 127.0.0.1 (`tests.helpers.loopback_cluster`: token authentication on, job submission
 on its dashboard port) serves the whole module, and its jobs run side by side: a sweep submitted
 from Python (shipping this checkout as its working directory), and the guide's command, which
-submits a two-worker runner job, run while the sweep is in flight.
+submits a two-worker runner job, run while the sweep is in flight. The same command, from the
+user's project, against the head of the test hosts that share nothing (tests/hosts.py), with
+checkpoints on an S3 API server.
 """
 
+import json
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -148,3 +153,40 @@ def test_a_submitted_sweep_tracks_a_parent_and_its_trials(finished, mlflow_serve
     assert sorted(c.info.run_name for c in children) == ["optimizer.lr=0.001", "optimizer.lr=0.01"]
     assert client.get_run(parent_id).info.status == "FINISHED"
     assert all(c.info.status == "FINISHED" and c.data.tags["backend"] == "torch" for c in children)
+
+
+@pytest.mark.hosts
+def test_ray_job_submit_from_the_drivers_host_runs_the_users_runner_on_hosts_that_share_nothing(hosts, s3_on_hosts,
+                                                                                                 project):
+    """The guide's `ray job submit --working-dir .` against the test hosts' head (tests/hosts.py),
+    from the user's project folder on the driver's host: the project reaches the job and the
+    workers on the other hosts, checkpoints go to the S3 API server (its variables in the job's
+    runtime environment), the run lands in the store the entrypoint names; the job API
+    (`JobSubmissionClient`, with the head's token) then reports the job and its logs."""
+    store = f"sqlite:///{project}/jobs.db"  # the job's driver runs on the head's host: this path is there
+    env_vars = json.dumps({"env_vars": {**s3_on_hosts, "PYTHONUNBUFFERED": "1"}})
+    command = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", hosts.dashboard,
+               "--working-dir", ".", "--runtime-env-json", env_vars, "--", sys.executable, "-m", "orchestrate",
+               "--config-dir", "conf", "model=usernet", "backend=runner", "backend.engine=torch",
+               "trainer.num_workers=2", "trainer.max_steps=100", "trainer.checkpoint_period=50",
+               "trainer.display_loss_steps=10", "trainer.progress=false", "backend.storage_path=s3://checkpoints/job",
+               f"tracking.uri={store}", f"hydra.run.dir={project}/outputs/job"]
+    done = hosts.head.run(command, timeout=JOB_TIMEOUT_S, cwd=project, capture_output=True, text=True,
+                          env={**os.environ, **hosts.env})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(10, 101, 10))
+    assert (project / "outputs" / "job").is_dir()
+
+    # The job API, asked from the driver's host (the test's own process is on none of the hosts).
+    ask = ("import json, sys; from ray.job_submission import JobSubmissionClient; "
+           f"jobs = JobSubmissionClient({hosts.dashboard!r}, headers={{'Authorization': 'Bearer {hosts.token}'}}); "
+           "(job,) = [j for j in jobs.list_jobs() if 's3://checkpoints/job' in j.entrypoint]; "
+           "print(json.dumps([str(job.status), jobs.get_job_logs(job.submission_id)]))")
+    asked = hosts.head.run([sys.executable, "-c", ask], timeout=120, capture_output=True, text=True, check=True)
+    status, logs = json.loads(asked.stdout.strip().splitlines()[-1])
+    assert status == "SUCCEEDED"
+    assert f"MLflow run         {run.info.run_id}" in logs

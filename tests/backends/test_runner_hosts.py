@@ -19,16 +19,16 @@ from tests.conftest import metric_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 
-def runner_command(hosts, *overrides) -> list[str]:
+def runner_command(hosts, *overrides, engine="torch") -> list[str]:
     """The runner on the hosts' cluster, the user's model, as typed from the project's folder."""
     return [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=runner",
-            "backend.engine=torch", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
+            f"backend.engine={engine}", f"backend.ray_address={hosts.ray_address}", "trainer.num_workers=2",
             "trainer.progress=false", *overrides]
 
 
-def runner(hosts, project, *overrides, env=None, timeout=300):
+def runner(hosts, project, *overrides, env=None, timeout=300, engine="torch"):
     began = time.monotonic()
-    done = hosts.head.run(runner_command(hosts, *overrides), timeout=timeout, cwd=project, capture_output=True,
+    done = hosts.head.run(runner_command(hosts, *overrides, engine=engine), timeout=timeout, cwd=project, capture_output=True,
                           text=True, env={**os.environ, **hosts.env, **(env or {})})
     return done, time.monotonic() - began
 
@@ -55,6 +55,46 @@ def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(host
     assert "s3://bucket/prefix" in lines[0]
     assert took < 60
     assert runs_in(project) == 0
+
+
+def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_is_killed(hosts, s3_on_hosts,
+                                                                                          project):
+    """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed
+    (SIGKILL: nothing of it can tidy up) once a checkpoint is in; the same command with
+    `trainer.resume=auto` goes on in the same MLflow run, from the run's checkpoint in the bucket
+    (Ray Train finds its run there by name), and finishes with every display step once."""
+    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
+    env = {**os.environ, **hosts.env, **s3_on_hosts}
+    overrides = ["trainer.max_steps=300", "trainer.checkpoint_period=100", "trainer.display_loss_steps=10",
+                 "backend.storage_path=s3://checkpoints/killed", "tracking.experiment=killed"]
+    running = hosts.head.popen(runner_command(hosts, *overrides, engine="ortmodule"), cwd=project,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        run_id = None
+        while time.monotonic() < deadline and running.poll() is None:  # its first checkpoint in the run
+            experiment = client.get_experiment_by_name("killed") if (project / "mlflow.db").exists() else None
+            found = client.search_runs([experiment.experiment_id]) if experiment else []
+            if found and client.list_artifacts(found[0].info.run_id, "checkpoints"):
+                run_id = found[0].info.run_id
+                break
+            time.sleep(0.5)
+        assert running.poll() is None and run_id, running.stdout.read() if running.poll() is not None else "no run"
+    finally:
+        running.kill()  # ip netns exec execs the command: this is the driver's own process
+        first = running.communicate(timeout=60)[0]
+    assert client.get_run(run_id).info.status == "RUNNING"  # nothing could close it
+    done, _ = runner(hosts, project, *overrides, "trainer.resume=auto", env=s3_on_hosts, timeout=300,
+                     engine="ortmodule")
+    assert done.returncode == 0, first[-3000:] + done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resuming MLflow run {run_id}" in done.stdout
+    (run,) = client.search_runs([client.get_experiment_by_name("killed").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.params["backend.engine"] == "ortmodule"
+    history = metric_steps(client, run_id, "train/loss")
+    assert [s for s, _ in history] == list(range(10, 301, 10))  # every display step once, across the kill
+    assert history[-1][1] < history[0][1] * 0.8
+    assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
 
 
 def test_the_runner_trains_the_users_model_on_other_hosts_and_survives_losing_one(hosts, s3_on_hosts, project):
