@@ -158,7 +158,7 @@ def main() -> None:
         rows = runner_figures(hosts, project, env, local_env, args.steps)
         rows += sweep_figures(hosts, project, env, local_env, max(60, args.steps // 3))
         rows += loss_figures(hosts, project, env, args.steps * 2)
-    table = ["| what | wall s | samples/s | against one machine |", "|---|---:|---:|---|", *rows]
+    table = ["| what | wall s | samples/s | largest loss difference against one machine |", "|---|---:|---:|---|", *rows]
     text = "\n\n".join([
         "# The runner and sweeps on hosts that share nothing",
         "Figures of `benchmarks/cluster.py` (its docstring says what each row runs); the tests run a "

@@ -224,7 +224,7 @@ EXPECTED: dict[str, Expect] = {
         **{**PROJECT_RUN, "metrics": {"world_size": 2}}),
     "python -m orchestrate --config-dir conf +experiment=wine +sweep=backends": Expect(
         where="project", runs=5, experiment="wine", says=("sweep summary",),
-        tags={"model": "models.MyNet", "data": "models.Wine"}),
+        tags={"model": "models.MyNet", "data": "models.Wine"}, long="python -m orchestrate +experiment=backend_shootout +sweep"),
     "python -m orchestrate hydra.searchpath=[file://conf] model=my_net data=my_data": Expect(**PROJECT_RUN),
     "python -m orchestrate --config-path conf --config-name train backend=ondevice": Expect(
         **{**PROJECT_RUN, "experiment": "wine", "tags": {**PROJECT_RUN["tags"], "backend": "ondevice"}}),
@@ -261,7 +261,8 @@ EXPECTED: dict[str, Expect] = {
         separate="tests/launch/test_slurm.py::test_the_readme_sweep_runs_every_trial_as_a_slurm_job"),  # a Slurm cluster
     # ---- the runner
     "python -m orchestrate backend=runner trainer.num_workers=2": Expect(
-        runs=1, tags={"backend": "runner"}, metrics={"world_size": 2}),
+        runs=1, tags={"backend": "runner"}, metrics={"world_size": 2},
+        long="python -m orchestrate --config-dir conf model=my_net data=my_data backend=runner trainer.num_workers=2"),
     "python -m orchestrate backend=runner backend.engine=torch trainer.gradient_accumulation_steps=4": Expect(
         runs=1, metrics={"effective_batch_size": 256},
         long="tests/backends/test_runner.py::test_accumulating_k_micro_batches_equals_one_batch_k_times_larger"),
