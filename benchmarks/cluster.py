@@ -23,6 +23,7 @@ the figures show what the network path and the lack of a shared disk cost, not a
 """
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -52,7 +53,9 @@ def orchestrate(hosts: Hosts, project: Path, overrides: list[str], env: dict, wa
     return time.monotonic() - began
 
 
+@functools.cache
 def client(project: Path):
+    """One client per project's store (the loops below ask it every half second)."""
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -120,7 +123,9 @@ def loss_figures(hosts, project, env, steps: int) -> list[str]:
                 break
             time.sleep(0.5)
         else:
-            raise SystemExit(f"the host-loss run ended or stalled before its first checkpoint:\n{running.stdout.read()}")
+            running.kill()  # stalled or ended: its output is complete once it is gone
+            raise SystemExit("the host-loss run ended or stalled before its first checkpoint:\n"
+                             f"{running.communicate(timeout=60)[0][-4000:]}")
         run_id = found[0].info.run_id
         address = found[0].data.tags["worker.1"].split()[1]
         (lost,) = [h for h in hosts.hosts if h.address == address]
@@ -138,7 +143,10 @@ def loss_figures(hosts, project, env, steps: int) -> list[str]:
     if running.returncode != 0:
         raise SystemExit(f"the host-loss run failed:\n{out[-4000:]}")
     points = client(project).get_metric_history(run_id, "train/loss")
-    again = min(p.timestamp for p in points if p.step > before) / 1000
+    after = [p.timestamp for p in points if p.step > before]
+    if not after:
+        raise SystemExit(f"the host-loss run logged no step after {before}:\n{out[-4000:]}")
+    again = min(after) / 1000
     steps_logged = sorted(p.step for p in points)
     assert steps_logged == list(range(10, steps + 1, 10)), steps_logged  # every display step once
     return [f"| a worker host lost at step {before} (its Ray node killed), the run on a third host | "

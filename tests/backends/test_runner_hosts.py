@@ -61,8 +61,9 @@ def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_
                                                                                           project):
     """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed
     (SIGKILL: nothing of it can tidy up) once a checkpoint is in; the same command with
-    `trainer.resume=auto` goes on in the same MLflow run, from the run's checkpoint in the bucket
-    (Ray Train finds its run there by name), and finishes with every display step once."""
+    `trainer.resume=auto` goes on in the same MLflow run (Ray Train finds the run's checkpoints in
+    the bucket by its name; else the driver's, read from the run), and finishes with every display
+    step once."""
     client = MlflowClient(f"sqlite:///{project}/mlflow.db")
     env = {**os.environ, **hosts.env, **s3_on_hosts}
     overrides = ["trainer.max_steps=300", "trainer.checkpoint_period=100", "trainer.display_loss_steps=10",
