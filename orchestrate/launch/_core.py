@@ -258,6 +258,10 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
         launcher.in_flight.discard(ref)
         ret, wrote_marker = collect(ref, job)
         returns[job.idx] = ret
+        if not wrote_marker and job.config is not None:
+            # Its worker died (its host lost, killed): the job's own on_job_end never ran there.
+            # Hydra's callbacks hear of it here instead (orchestrate's closes the trial's run FAILED).
+            launcher.hydra_context.callbacks.on_job_end(config=job.config, job_return=ret)
         if wrote_marker:
             marked.append(job.idx)
         if ret.status == JobStatus.COMPLETED:
@@ -325,7 +329,9 @@ def collect(ref, job: Job) -> tuple[JobReturn, bool]:
     except ray.exceptions.RayTaskError as e:  # raised in _run_job, around the job: its finally ran
         cause = e.cause if e.cause is not None else e
         error, marked = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True
-    except ray.exceptions.RayError as e:  # the worker died
+    except ray.exceptions.TaskCancelledError as e:  # cancelled (fail_fast, Ctrl-C): said by the sweep
+        error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), True
+    except ray.exceptions.RayError as e:  # the worker died, or its node
         error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), False
     return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked
 

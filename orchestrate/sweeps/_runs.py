@@ -172,6 +172,20 @@ class Sweep:
         return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
                         command=self.fixed, finished=dict(self.finished))
 
+    def lost(self, index: int, error: BaseException) -> None:
+        """The trial of job `index` ended with its process (its worker or its host lost) before it
+        could close its run: the run closed FAILED here, with where and why in its `error` tag,
+        which the summary shows."""
+        for run in self.children():
+            if run.data.tags.get(INDEX_KEY) != str(index) or run.info.status != "RUNNING" \
+                    or run.info.run_id in self.earlier_runs:
+                continue
+            host = run.data.tags.get("host")
+            where = f" on host {host}" if host else ""
+            self.client.set_tag(run.info.run_id, "error", f"its process ended{where} before the trial did: {error}"[:5000])
+            with self.quiet():
+                self.client.set_terminated(run.info.run_id, "FAILED")
+
     def children(self) -> list:
         return self.client.search_runs([self.experiment_id], f"tags.`{PARENT_KEY}` = '{self.run_id}'",
                                        max_results=5000)

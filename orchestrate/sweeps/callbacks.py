@@ -92,6 +92,10 @@ class SweepTracking(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         job = self._job
         if job is None:
+            if self._sweep is not None and job_return.status == JobStatus.FAILED:
+                # In the launching process: a job whose process died (its host lost) before its own
+                # on_job_end could close its run, as orchestrate's Ray launcher reports it.
+                self._sweep.lost(config.hydra.job.num, job_return._return_value)
             return
         try:
             from orchestrate.sweeps import _runs

@@ -57,6 +57,25 @@ def test_storage_the_other_hosts_cannot_see_is_refused_before_any_run_opens(host
     assert runs_in(project) == 0
 
 
+def test_data_the_other_hosts_do_not_have_is_refused_before_any_run_opens(hosts, s3_on_hosts, project, tmp_path):
+    """Token shards in a folder of the driver's host only (its /tmp, which the other hosts do not
+    see): refused in one line naming the key, the path and the hosts that lack it, exit 2, no run."""
+    from orchestrate.tasks.shards import write_shards
+
+    folder = tmp_path / "shards"
+    write_shards(folder, 1, shard_megabytes=1)
+    done, took = runner(hosts, project, "model=char_transformer", "data=token_shards", f"data.folder={folder}",
+                        "trainer.max_steps=20", "backend.storage_path=s3://checkpoints/data",
+                        env=s3_on_hosts)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    others = ", ".join(h.address for h in hosts.hosts[1:])
+    assert len(lines) == 1 and lines[0].startswith(f"error: data.folder={folder}: not on host(s) {others}"), done.stderr
+    assert "inside the working folder" in lines[0]
+    assert took < 60
+    assert runs_in(project) == 0
+
+
 def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_is_killed(hosts, s3_on_hosts,
                                                                                           project):
     """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed
@@ -98,50 +117,71 @@ def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_
     assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
 
 
-def test_the_runner_trains_the_users_model_on_other_hosts_and_survives_losing_one(hosts, s3_on_hosts, project):
-    """The user's model on the two other hosts, checkpoints on S3; one host's Ray node killed
-    mid-run and started again: the run goes on from the latest checkpoint in the bucket. Last in
-    this file: it kills a node."""
+def test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_when_it_is_back(hosts, s3_on_hosts,
+                                                                                            project):
+    """The user's model on the two other hosts (an elastic group of 1 to 2 workers), checkpoints on
+    S3. One host's Ray node killed mid-run (the host lost: its worker with it): the group goes on
+    with the one worker that fits, from the latest checkpoint in the bucket; the host's node
+    started again: the group grows back to 2. The same MLflow run, every display step once.
+    Last in this file: it kills a node."""
     client = MlflowClient(f"sqlite:///{project}/mlflow.db")
     lost = hosts.hosts[2]
-    command = runner_command(hosts, "trainer.max_steps=1000", "trainer.checkpoint_period=100",
-                             "trainer.display_loss_steps=10", "backend.storage_path=s3://checkpoints/lost")
+    # Steps of about 1.5 ms: long enough on 1 worker for the lost host to come back. A restart
+    # waits backend.placement_timeout_s for its workers (Ray notices the node's loss after it
+    # tried 2), then starts with the 1 that fits.
+    command = runner_command(hosts, "trainer.max_steps=20000", "trainer.min_workers=1", "backend.resize_interval_s=2",
+                             "backend.placement_timeout_s=20", "trainer.checkpoint_period=1000",
+                             "trainer.evaluation_period=1000", "trainer.display_loss_steps=100",
+                             "backend.storage_path=s3://checkpoints/lost", "tracking.experiment=lost")
     running = hosts.head.popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **hosts.env, **s3_on_hosts})
-    try:
+
+    def sizes_logged() -> list[tuple[int, float]]:
+        """The run's world_size points so far ([] before the run opens)."""
+        experiment = client.get_experiment_by_name("lost") if (project / "mlflow.db").exists() else None
+        found = client.search_runs([experiment.experiment_id]) if experiment else []
+        return metric_steps(client, found[0].info.run_id, "world_size") if found else []
+
+    def wait_for(what: str, done) -> None:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and running.poll() is None:  # past the first checkpoints
-            found = client.search_runs([e.experiment_id for e in client.search_experiments()]) \
-                if (project / "mlflow.db").exists() else []
-            if found and len(client.get_metric_history(found[0].info.run_id, "train/loss")) >= 30:
-                break
+        while not done():
+            assert running.poll() is None, f"the run ended before {what}: " + running.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, f"no {what} within 180 s"
             time.sleep(0.5)
-        assert running.poll() is None, running.stdout.read()
+
+    try:
+        wait_for("its first checkpoints", lambda: any(s >= 2500 for s, _ in sizes_logged()))
         lost.signal_all(signal.SIGKILL)  # the host's Ray node and its worker killed, mid-run
-        time.sleep(3)
+        wait_for("a step on 1 worker", lambda: any(size == 1 for _, size in sizes_logged()))
         hosts.restart_node(lost)
+        wait_for("a step on 2 workers again", lambda: [int(v) for _, v in sizes_logged()][-1:] == [2]
+                 and any(size == 1 for _, size in sizes_logged()))
         out, _ = running.communicate(timeout=300)
     finally:
         if running.poll() is None:
             running.kill()
         hosts.wait_nodes(len(hosts.hosts))
     assert running.returncode == 0, out
-    assert "resumed" in out  # (Ray Train's controller prints the lost worker's traceback: see docs/runner.md)
     assert "Found multiple active Ray instances" not in out  # the suite's other Rays, seen from every host
-    (run,) = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name("lost").experiment_id])
     assert run.info.status == "FINISHED"
-    # Both ranks ran on the other hosts (the head has no CPUs), not on the driver's.
+    assert run.data.tags["world_sizes"] == "2 -> 1 -> 2", run.data.tags
+    resized = sorted((int(k.split("_")[-1]), v) for k, v in run.data.tags.items() if k.startswith("resized_at_"))
+    assert [v for _, v in resized] == ["2 -> 1", "1 -> 2"]
+    # The group shrank and went on from a checkpoint (one every 1000 steps).
+    assert (resized[0][0] - 1) % 1000 == 0, resized
+    # Ranks ran on the other hosts only (the head has no CPUs), not on the driver's.
     where = {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)}
     assert where == {h.address for h in hosts.hosts[1:]}
-    # Every display step once, in MLflow, across the restart, though rank 0 could not reach the
+    # Every display step once, in MLflow, across both restarts, though rank 0 could not reach the
     # driver's SQLite file.
     history = metric_steps(client, run.info.run_id, "train/loss")
-    assert [s for s, _ in history] == list(range(10, 1001, 10))
+    assert [s for s, _ in history] == list(range(100, 20001, 100))
     assert history[-1][1] < history[0][1] * 0.8
     assert client.get_run(run.info.run_id).data.metrics["eval/accuracy"] > 0.5
     # Each checkpoint rank 0 wrote on its host is in the run, sent through the driver's relay.
     names = [Path(a.path).name for a in client.list_artifacts(run.info.run_id, "checkpoints")]
-    assert sorted(int(n.split("_")[1].split(".")[0]) for n in names) == list(range(100, 1001, 100)), names
+    assert sorted(int(n.split("_")[1].split(".")[0]) for n in names) == list(range(1000, 20001, 1000)), names
     assert client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")
     # Ray Train's copies of the checkpoints are in the bucket, read back from the driver's host.
     listing = hosts.head.run([sys.executable, "-c", "import boto3; print(*[o['Key'] for o in boto3.client('s3')"

@@ -86,3 +86,51 @@ def test_a_sweep_whose_trials_could_not_report_back_is_refused_before_anything_s
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: tracking.uri=http://127.0.0.1:5000: hydra.launcher.address=") and took < 30
     assert not any((project / name).exists() for name in ("multirun", "mlflow.db", "mlflow-optuna.db", "mlartifacts"))
+
+
+def test_a_trial_on_a_lost_host_is_marked_failed_with_the_reason_and_the_others_finish(hosts, project):
+    """Two grid trials, one on each other host; one host's Ray node killed mid-trial (the host
+    lost): the sweep ends (exit 1: a trial failed) with the other trial FINISHED, the lost one's run
+    FAILED with the host and Ray's reason in its `error` tag and the summary, no run left RUNNING.
+    Last in this file: it kills a node."""
+    import signal
+    import subprocess
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    lost = hosts.hosts[2]
+    command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=torch",
+               "trainer.progress=false", "+sweep=lr_grid", "hydra.sweeper.params.optimizer\\.lr=0.01,0.02",
+               "trainer.max_steps=4000", "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
+               "trainer.display_loss_steps=50", f"hydra.launcher.address={hosts.ray_address}",
+               "tracking.experiment=lost_trial"]
+    running = hosts.head.popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **hosts.env})
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # both trials training, each on its host
+            assert running.poll() is None, running.stdout.read()[-5000:]
+            assert time.monotonic() < deadline, "the two trials did not both train within 180 s"
+            found = trials(project, "lost_trial") if (project / "mlflow.db").exists() else {}
+            if len(found) == 2 and all(client.get_metric_history(r.info.run_id, "train/loss") for r in found.values()):
+                break
+            time.sleep(0.5)
+        on_lost = [name for name, run in found.items() if run.data.tags.get("host") == lost.name]
+        assert len(on_lost) == 1, {name: run.data.tags.get("host") for name, run in found.items()}
+        lost.signal_all(signal.SIGKILL)  # the host's Ray node and the trial's worker killed
+        out, _ = running.communicate(timeout=300)
+    finally:
+        if running.poll() is None:
+            running.kill()
+        hosts.restart_node(lost)
+        hosts.wait_nodes(len(hosts.hosts))
+    assert running.returncode == 1, out[-5000:]
+    ended = trials(project, "lost_trial")
+    assert not [name for name, run in ended.items() if run.info.status == "RUNNING"]
+    (gone,) = on_lost
+    error = ended[gone].data.tags["error"]
+    assert ended[gone].info.status == "FAILED" and f"on host {lost.name}" in error, error
+    assert "Died" in error or "Crashed" in error or "unavailable" in error, error  # Ray's own reason
+    (other,) = set(ended) - {gone}
+    assert ended[other].info.status == "FINISHED"
+    summary = [line for line in out.splitlines() if gone in line and "FAILED" in line]
+    assert summary and lost.name in summary[-1], out[-3000:]

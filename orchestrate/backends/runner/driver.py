@@ -268,9 +268,11 @@ class RunnerBackend(Backend):
                                                timeout_key="backend.placement_timeout_s")
             except ray_cluster.PlacementError as e:
                 raise ConfigError(str(e)) from None
-            # Checkpoints every host reaches, before the run opens (a cluster of other hosts).
+            # Checkpoints every host reaches, and the data, before the run opens (a cluster of other hosts).
             storage.check_shared(storage.resolve(self.storage_path, job.out_dir), self.placement_timeout_s,
                                  "backend.placement_timeout_s")
+            storage.check_data(OmegaConf.to_container(job.cfg.data, resolve=True), self.placement_timeout_s,
+                               "backend.placement_timeout_s")  # and the data's files, on every host
             yield
         finally:
             # A stopped run's Ray Train run is aborted only now, after its MLflow run was marked
