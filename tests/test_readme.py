@@ -279,8 +279,9 @@ EXPECTED: dict[str, Expect] = {
         separate="tests/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
     "python -m orchestrate backend=runner backend.ray_address=auto trainer.min_workers=2 trainer.num_workers=8 "
     "trainer.checkpoint_period=50": Expect(
-        skip="joins a running cluster of 8 CPUs; tests/backends/test_elastic.py runs an elastic run (1 to 2 workers) "
-             "on a loopback cluster that grows and shrinks under it (scripts/elastic.py)"),
+        skip="joins a running cluster of 8 CPUs; tests/backends/test_runner_hosts.py runs an elastic run (1 to 2 "
+             "workers) on test hosts, one lost under it and back; tests/backends/test_elastic.py (long tier) on a "
+             "loopback cluster that grows and shrinks under it (scripts/elastic.py)"),
     # ---- the runner on a Slurm allocation: docs/runner.md's sbatch script, submitted to a Slurm cluster
     **{command: Expect(separate="tests/launch/test_slurm.py::test_the_runner_on_a_slurm_allocation") for command in (
         "source .venv/bin/activate",

@@ -256,9 +256,9 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
         (ref,), _ = ray.wait(list(pending), num_returns=1)
         job = pending.pop(ref)
         launcher.in_flight.discard(ref)
-        ret, wrote_marker = collect(ref, job)
+        ret, wrote_marker, died = collect(ref, job)
         returns[job.idx] = ret
-        if not wrote_marker and job.config is not None:
+        if died and job.config is not None:
             # Its worker died (its host lost, killed): the job's own on_job_end never ran there.
             # Hydra's callbacks hear of it here instead (orchestrate's closes the trial's run FAILED).
             launcher.hydra_context.callbacks.on_job_end(config=job.config, job_return=ret)
@@ -319,21 +319,21 @@ def _remote_run_job():
     return ray.remote(_run_job)
 
 
-def collect(ref, job: Job) -> tuple[JobReturn, bool]:
+def collect(ref, job: Job) -> tuple[JobReturn, bool, bool]:
     """The job's JobReturn, or a FAILED one when Ray itself failed (the worker died, the result
-    could not be serialized); and whether the worker got to mark the end of the job's output."""
+    could not be serialized); whether the worker got to mark the end of the job's output; and
+    whether the job's process died under it (its worker or its node lost, not a cancel)."""
     import ray
 
     try:
-        return ray.get(ref), True
+        return ray.get(ref), True, False
     except ray.exceptions.RayTaskError as e:  # raised in _run_job, around the job: its finally ran
         cause = e.cause if e.cause is not None else e
-        error, marked = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True
-    except ray.exceptions.TaskCancelledError as e:  # cancelled (fail_fast, Ctrl-C): said by the sweep
-        error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), True
-    except ray.exceptions.RayError as e:  # the worker died, or its node
+        error, marked, died = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True, False
+    except ray.exceptions.RayError as e:  # the worker died (or its node), or the job was cancelled
         error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), False
-    return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked
+        died = not isinstance(e, ray.exceptions.TaskCancelledError)
+    return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked, died
 
 
 def where(conf) -> str:

@@ -12,7 +12,7 @@ from orchestrate.__main__ import main
 from orchestrate.backends.runner.collective import Workers
 from orchestrate.config import load_config
 from orchestrate.job import Job
-from tests.conftest import ROOT
+from tests.conftest import ROOT, long
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -93,6 +93,9 @@ def test_a_step_reads_each_sample_once_whatever_the_worker_count(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.cluster
+@long("tests/backends/test_runner_hosts.py::test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_"
+      "when_it_is_back (a group that shrinks and grows back, every step once); the drain notice's checkpoint and "
+      "the loss against a reference run are shown here only")
 def test_an_elastic_run_grows_and_shrinks_on_a_loopback_cluster(tmp_path):
     """Ray's own `ray.cluster_utils.Cluster` on 127.0.0.1 (a head with no CPUs, one 1-CPU node per
     worker), driven by scripts/elastic.py at a small size (the full one writes docs/elastic.md):

@@ -32,6 +32,8 @@ def orchestrate(hosts, project, *overrides, timeout=300):
 def trials(project, experiment: str) -> dict[str, object]:
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     found = client.get_experiment_by_name(experiment)
+    if found is None:  # not made yet
+        return {}
     runs = client.search_runs([found.experiment_id], "tags.`orchestrate.role` = 'trial'")
     return {run.data.tags["orchestrate.trial"]: run for run in runs}
 
@@ -99,7 +101,7 @@ def test_a_trial_on_a_lost_host_is_marked_failed_with_the_reason_and_the_others_
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     lost = hosts.hosts[2]
     command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=torch",
-               "trainer.progress=false", "+sweep=lr_grid", "hydra.sweeper.params.optimizer\\.lr=0.01,0.02",
+               "trainer.progress=false", "+sweep=lr_grid", "optimizer.lr=0.01,0.02",
                "trainer.max_steps=4000", "trainer.evaluation_period=0", "trainer.checkpoint_period=0",
                "trainer.display_loss_steps=50", f"hydra.launcher.address={hosts.ray_address}",
                "tracking.experiment=lost_trial"]
