@@ -76,54 +76,14 @@ def test_data_the_other_hosts_do_not_have_is_refused_before_any_run_opens(hosts,
     assert runs_in(project) == 0
 
 
-def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_is_killed(hosts, s3_on_hosts,
-                                                                                          project):
-    """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed
-    (SIGKILL: nothing of it can tidy up) once a checkpoint is in; the same command with
-    `trainer.resume=auto` goes on in the same MLflow run (Ray Train finds the run's checkpoints in
-    the bucket by its name; else the driver's, read from the run), and finishes with every display
-    step once."""
-    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
-    env = {**os.environ, **hosts.env, **s3_on_hosts}
-    overrides = ["trainer.max_steps=300", "trainer.checkpoint_period=100", "trainer.display_loss_steps=10",
-                 "backend.storage_path=s3://checkpoints/killed", "tracking.experiment=killed"]
-    running = hosts.head.popen(runner_command(hosts, *overrides, engine="ortmodule"), cwd=project,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 240
-        run_id = None
-        while time.monotonic() < deadline and running.poll() is None:  # its first checkpoint in the run
-            experiment = client.get_experiment_by_name("killed") if (project / "mlflow.db").exists() else None
-            found = client.search_runs([experiment.experiment_id]) if experiment else []
-            if found and client.list_artifacts(found[0].info.run_id, "checkpoints"):
-                run_id = found[0].info.run_id
-                break
-            time.sleep(0.5)
-        assert running.poll() is None and run_id, running.stdout.read() if running.poll() is not None else "no run"
-    finally:
-        running.kill()  # ip netns exec execs the command: this is the driver's own process
-        first = running.communicate(timeout=60)[0]
-    assert client.get_run(run_id).info.status == "RUNNING"  # nothing could close it
-    done, _ = runner(hosts, project, *overrides, "trainer.resume=auto", env=s3_on_hosts, timeout=300,
-                     engine="ortmodule")
-    assert done.returncode == 0, first[-3000:] + done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"resuming MLflow run {run_id}" in done.stdout
-    (run,) = client.search_runs([client.get_experiment_by_name("killed").experiment_id])
-    assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert run.data.params["backend.engine"] == "ortmodule"
-    history = metric_steps(client, run_id, "train/loss")
-    assert [s for s, _ in history] == list(range(10, 301, 10))  # every display step once, across the kill
-    assert history[-1][1] < history[0][1] * 0.8
-    assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
-
-
 def test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_when_it_is_back(hosts, s3_on_hosts,
                                                                                             project):
     """The user's model on the two other hosts (an elastic group of 1 to 2 workers), checkpoints on
     S3. One host's Ray node killed mid-run (the host lost: its worker with it): the group goes on
     with the one worker that fits, from the latest checkpoint in the bucket; the host's node
     started again: the group grows back to 2. The same MLflow run, every display step once.
-    Last in this file: it kills a node."""
+    Before the ortmodule test: an elastic start waits out the resource request a killed driver's
+    run left with Ray Train's AutoscalingCoordinator (up to 180 s; docs/runner.md)."""
     client = MlflowClient(f"sqlite:///{project}/mlflow.db")
     lost = hosts.hosts[2]
     # Steps of about 1.5 ms: long enough on 1 worker for the lost host to come back. A restart
@@ -188,3 +148,44 @@ def test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_whe
                               ".list_objects_v2(Bucket='checkpoints', Prefix='lost/')['Contents']], sep='\\n')"],
                              timeout=60, capture_output=True, text=True, env={**os.environ, **s3_on_hosts}, check=True)
     assert f"runner-{run.info.run_id}" in listing.stdout and "/checkpoint" in listing.stdout
+
+
+def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_is_killed(hosts, s3_on_hosts,
+                                                                                          project):
+    """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed
+    (SIGKILL: nothing of it can tidy up) once a checkpoint is in; the same command with
+    `trainer.resume=auto` goes on in the same MLflow run (Ray Train finds the run's checkpoints in
+    the bucket by its name; else the driver's, read from the run), and finishes with every display
+    step once."""
+    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
+    env = {**os.environ, **hosts.env, **s3_on_hosts}
+    overrides = ["trainer.max_steps=300", "trainer.checkpoint_period=100", "trainer.display_loss_steps=10",
+                 "backend.storage_path=s3://checkpoints/killed", "tracking.experiment=killed"]
+    running = hosts.head.popen(runner_command(hosts, *overrides, engine="ortmodule"), cwd=project,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        run_id = None
+        while time.monotonic() < deadline and running.poll() is None:  # its first checkpoint in the run
+            experiment = client.get_experiment_by_name("killed") if (project / "mlflow.db").exists() else None
+            found = client.search_runs([experiment.experiment_id]) if experiment else []
+            if found and client.list_artifacts(found[0].info.run_id, "checkpoints"):
+                run_id = found[0].info.run_id
+                break
+            time.sleep(0.5)
+        assert running.poll() is None and run_id, running.stdout.read() if running.poll() is not None else "no run"
+    finally:
+        running.kill()  # ip netns exec execs the command: this is the driver's own process
+        first = running.communicate(timeout=60)[0]
+    assert client.get_run(run_id).info.status == "RUNNING"  # nothing could close it
+    done, _ = runner(hosts, project, *overrides, "trainer.resume=auto", env=s3_on_hosts, timeout=300,
+                     engine="ortmodule")
+    assert done.returncode == 0, first[-3000:] + done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resuming MLflow run {run_id}" in done.stdout
+    (run,) = client.search_runs([client.get_experiment_by_name("killed").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.params["backend.engine"] == "ortmodule"
+    history = metric_steps(client, run_id, "train/loss")
+    assert [s for s, _ in history] == list(range(10, 301, 10))  # every display step once, across the kill
+    assert history[-1][1] < history[0][1] * 0.8
+    assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
