@@ -123,6 +123,11 @@ def test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_whe
         hosts.wait_nodes(len(hosts.hosts))
     assert running.returncode == 0, out
     assert "Found multiple active Ray instances" not in out  # the suite's other Rays, seen from every host
+    # Neither the surviving worker's traceback nor Ray Train's controller's on the console: one
+    # line from rank 0 at each restart (the shrink and the grow).
+    assert "Traceback" not in out and "Error in training function" not in out, out[-5000:]
+    assert out.count("the worker group (1 worker(s)) goes on from Ray Train's checkpoint at step") == 1, out[-5000:]
+    assert out.count("the worker group (2 worker(s)) goes on from Ray Train's checkpoint at step") == 1, out[-5000:]
     (run,) = client.search_runs([client.get_experiment_by_name("lost").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_sizes"] == "2 -> 1 -> 2", run.data.tags

@@ -379,12 +379,15 @@ class RunnerBackend(Backend):
                 storage_path=kept.path, storage_filesystem=kept.filesystem,
                 failure_config=FailureConfig(max_failures=self.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=job.trainer.max_num_checkpoints + 1),
-                # Ray Train's own INFO lines (the controller's "Requesting resources" and "Started
-                # training worker group", a worker's "Setting up process group" and "Checkpoint
-                # successfully created" at every checkpoint) stay in its log files (Ray's session
-                # logs, logs/train/ray-train-sys-*.log; from the loop's start, the workers' logs too:
-                # worker.log_to_file); its warnings and errors still reach the console.
-                logging_config=LoggingConfig(log_level="WARNING")))
+                # Ray Train's own lines stay in its log files (Ray's session logs on each node,
+                # logs/train/ray-train-sys-*.log, which take every level; from the loop's start,
+                # the workers' logs too: worker.log_to_file), off the console: its INFO lines (the
+                # controller's "Requesting resources", a worker's "Checkpoint successfully
+                # created" at every checkpoint) and its tracebacks, the worker's "Error in
+                # training function" and the controller's, at every restart. The console gets
+                # one line per restart from rank 0 (worker.say_restarted), and a run that fails
+                # for good ends with the error's one line.
+                logging_config=LoggingConfig(log_level="CRITICAL")))
 
     def read_checkpoint(self, path: Path) -> dict[str, np.ndarray]:
         return self.engine_backend().read_checkpoint(path)

@@ -78,6 +78,8 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
     if engine.resumable:
         job.resume_state = resume_state(config, engine)
+        if rank == 0:
+            say_restarted(job, world)
     job.meter.trial = config["trial"]  # a pruning sweep's trial, on every rank (Meter.stop_early)
     reporter = Reporter(job.parallel)
     draining = DrainNotice(job) if job.trainer.elastic else None
@@ -181,6 +183,20 @@ def resume_state(config: dict, engine) -> dict | None:
     if isinstance(config["resume"], ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
         return ray.get(config["resume"])
     return config["resume"]  # the same, handed over in the driver's own process (or None)
+
+
+def say_restarted(job, world: int) -> None:
+    """One console line when this worker group goes on from a checkpoint Ray Train holds: a group
+    restarted after a worker or its host was lost, resized, or found again by trainer.resume=auto
+    (Ray Train's own account, tracebacks included, is in its log files, not on the console)."""
+    import ray.train
+
+    if ray.train.get_checkpoint() is None or not job.resume_state:
+        return
+    logging.getLogger(__name__).warning(
+        f"the worker group ({world} worker(s)) goes on from Ray Train's checkpoint at step "
+        f"{job.resume_state.get('step', 0)} (a worker or its host lost, the group resized, or the run resumed; Ray "
+        "Train's account: logs/train/ray-train-sys-controller-*.log in the Ray session folder of the driver's node)")
 
 
 class DrainNotice:
