@@ -176,9 +176,11 @@ class Sweep:
         """The trial of job `index` ended with its process (its worker or its host lost) before it
         could close its run: the run closed FAILED here, with where and why in its `error` tag,
         which the summary shows."""
-        for run in self.children():
-            if run.data.tags.get(INDEX_KEY) != str(index) or run.info.status != "RUNNING" \
-                    or run.info.run_id in self.earlier_runs:
+        running = self.client.search_runs(
+            [self.experiment_id], f"tags.`{PARENT_KEY}` = '{self.run_id}' and tags.`{INDEX_KEY}` = '{index}' "
+            "and attributes.status = 'RUNNING'")
+        for run in running:
+            if run.info.run_id in self.earlier_runs:
                 continue
             host = run.data.tags.get("host")
             where = f" on host {host}" if host else ""

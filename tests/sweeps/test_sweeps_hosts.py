@@ -6,7 +6,9 @@ address toward the head: orchestrate.sweeps.remote), and each trial trains as it
 machine. What the trials could not report to is refused before anything starts."""
 
 import os
+import signal
 import sqlite3
+import subprocess
 import sys
 import time
 
@@ -95,9 +97,6 @@ def test_a_trial_on_a_lost_host_is_marked_failed_with_the_reason_and_the_others_
     lost): the sweep ends (exit 1: a trial failed) with the other trial FINISHED, the lost one's run
     FAILED with the host and Ray's reason in its `error` tag and the summary, no run left RUNNING.
     Last in this file: it kills a node."""
-    import signal
-    import subprocess
-
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     lost = hosts.hosts[2]
     command = [sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet", "backend=torch",
