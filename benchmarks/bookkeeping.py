@@ -68,8 +68,7 @@ def timed_loop(step_fn, steps: int, warmup: int) -> float:
 def hand_torch(job: Job, wrap=None) -> float:
     """The plain PyTorch loop (ORTModule's when `wrap` wraps the model)."""
     t, data = job.trainer, job.data
-    if job.backend.intra_op_threads:  # as TorchBackend.fit does (ortmodule sets 1)
-        torch.set_num_threads(job.backend.intra_op_threads)
+    job.use_cores(job.backend)  # the run's CPU budget, as TorchBackend.fit sizes it
     model = wrap(job.model) if wrap else job.model
     # The fused AdamW, as orchestrate's loops build it (backend.fused_optimizer).
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
@@ -111,7 +110,7 @@ def hand_ondevice(job: Job) -> float:
     folder = job.out_dir / "artifacts"
     with ort.stderr_logged():
         backend.generate_artifacts(job, folder)
-    options = ort.session_options(backend.intra_op_threads, backend.allow_spinning, backend.mapped_dimensions,
+    options = ort.session_options(job.use_cores(backend).threads, backend.allow_spinning, backend.mapped_dimensions,
                                   backend.log_level)
     state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),

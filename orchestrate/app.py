@@ -148,7 +148,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
         elif cfg.trainer.resume == "auto":
             print("trainer.resume=auto: no unfinished run with this config has a checkpoint; starting a new run",
                   flush=True)
-        with Run(cfg, run_choice, run_name=choices.lower(), tags=tags, out_dir=job.out_dir) as tracker:
+        budget = job.backend.budget(job)  # the CPU budget it trains with (the runner's: one worker's)
+        with Run(cfg, run_choice, run_name=choices.lower(), tags=tags, out_dir=job.out_dir,
+                 params=budget.params) as tracker:
             job.track(tracker)
             tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:])  # the Dataset column
             if run_choice.resume is not None:
@@ -174,6 +176,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             tracker.log_artifact(png)
     result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics,
                     out_dir=job.out_dir, history=job.meter.history)
+    job.cpu = job.cpu or budget  # the runner's driver: its workers' budget
     print_summary(cfg, job, result, in_sweep=run_choice.handed_over is not None)
     return result
 
@@ -192,6 +195,8 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     tf32 = f" (TF32 matrix products: trainer.tf32={str(t.tf32).lower()})" if t.device.value == "cuda" \
         and t.precision.value == "fp32" else ""
     lines.append(f"  {'precision':<18} {t.precision.value}{tf32}")
+    if job.cpu is not None:  # threads + loader processes of the cores (orchestrate.cpu)
+        lines.append(f"  {'CPU budget':<18} {job.cpu}{' per worker' if job.backend.distributed else ''}")
     sizes = world_sizes(job.meter.history)
     if len(sizes) > 1:  # an elastic run (trainer.min_workers) that grew or shrank: its resized_at_* tags say where
         lines.append(f"  {'workers':<18} {' -> '.join(map(str, sizes))} (of {t.min_workers} to {t.num_workers})")

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, losses, ort, schema
+from orchestrate import checkpoints, cpu, losses, ort, schema
 from orchestrate.checkpoints import Checkpoints
+from orchestrate.cpu import Budget
 from orchestrate.meter import Meter
 from orchestrate.parallel import Parallel
 from orchestrate.tasks import loader
@@ -202,6 +203,8 @@ class Job:
     # What the checks built that the run reuses instead of building it again, by the backend's
     # own key (the on-device training artifacts: OnDeviceBackend.check_gradients).
     built: dict[str, Any] = field(default_factory=dict)
+    cpu: Budget | None = None  # the CPU budget the loop trains with, once it started (`use_cores`)
+    busy: float | None = None  # the cores other processes kept busy when first asked (`busy_cores`)
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,
@@ -295,6 +298,25 @@ class Job:
                            paused=lambda: self.checkpoints.seconds,
                            update_allowed=self.parallel.update_allowed, agree=self.parallel.agree, summed=self.parallel.sum_,
                            hold=self.parallel.hold)
+
+    def busy_cores(self) -> float:
+        """How many cores other processes keep busy (orchestrate.cpu.busy_elsewhere): measured
+        once per job (a tenth of a second), or as the caller measured it (`Parallel.busy`:
+        backend=auto's probes share the run's), so that the run's params and its loop agree."""
+        if self.busy is None:
+            self.busy = self.parallel.busy if self.parallel.busy is not None else cpu.busy_elsewhere()
+        return self.busy
+
+    def use_cores(self, backend) -> Budget:
+        """Size this process for `backend`'s loop (each loop calls it first): its CPU budget
+        (orchestrate.cpu: the cores split between training threads and the data loader's
+        processes) applied to torch's thread pool and to the loader; ORT's sessions take
+        `job.cpu.threads`. Put back when the run ends (orchestrate.process.kept)."""
+        self.cpu = backend.budget(self)
+        self.cpu.apply()
+        if hasattr(self.data, "use_processes"):
+            self.data.use_processes(self.cpu.loader_processes)
+        return self.cpu
 
     def track(self, tracker: Any) -> None:
         """Send metrics and checkpoints to this MLflow run from now on."""

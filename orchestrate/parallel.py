@@ -20,6 +20,8 @@ class Parallel:
     device: torch.device | None = None  # None: trainer.device
     logging = True  # this process logs, evaluates and checkpoints (rank 0)
     average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
+    cores: float | None = None  # the CPUs this process's loop may use; None: what it finds (orchestrate.cpu.cores)
+    busy: float | None = None  # the cores other processes keep busy, as the caller measured; None: measured by the job
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the loop trains it (DDP across workers)."""

@@ -70,6 +70,8 @@ INTERNALS = _listed({
         "optuna.storages._grpc.servicer:OptunaStorageProxyService",
         "optuna.storages._grpc.auto_generated.api_pb2_grpc:add_StorageServiceServicer_to_server",
     ),
+    # the thread count Inductor writes into its C++ kernels (inductor_kernel_threads)
+    "inductor_kernel_threads": ("torch._inductor.config:cpp.threads",),
     # torch names its exporter's opsets nowhere public (torch_onnx_opsets)
     "torch_onnx_opsets": (
         "torch.onnx._constants:ONNX_MIN_OPSET",
@@ -154,6 +156,19 @@ def standard_symbolics() -> Iterator[None]:
     finally:
         for name, function, opset in set_aside:
             register_custom_op_symbolic(name, function, opset)
+
+
+@contextlib.contextmanager
+def inductor_kernel_threads(threads: int) -> Iterator[None]:
+    """While the block runs, TorchInductor compiles its CPU kernels for `threads` OpenMP threads (0:
+    torch's thread count at compile time, its default). It writes the count into each kernel
+    (`#pragma omp parallel num_threads(N)`) and its cache does not key on torch's count: a kernel
+    compiled earlier for 2 threads runs 2 in a run sized for 1. Its config option keys the cache
+    too; torch.compile takes no public option for it."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.threads": threads or -1}):
+        yield
 
 
 def torch_onnx_opsets() -> tuple[int, int]:

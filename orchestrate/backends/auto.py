@@ -70,6 +70,7 @@ class AutoBackend(Backend):
     reference: str  # the backend whose probe loss the others are compared with (the eager baseline)
     candidates: Optional[list[str]]  # None: every single-process backend found; a list: only these
     chooses = True
+    probe_cores = None  # the CPUs a probe may use; None: what the process finds (the runner's: one worker's)
     # resumable stays False: the checkpoints are the chosen backend's, and a resumed run would have
     # to choose that one again without probing. Job.prepare refuses trainer.resume, naming those
     # that can.
@@ -131,7 +132,7 @@ class AutoBackend(Backend):
         with rng_kept():
             for name, node in found.items():
                 cfg = self.probe_config(job.cfg, node)
-                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg))
+                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg, self.probe_cores, job.busy_cores()))
         reasons = {name: self._checked[name][1] if isinstance(self._checked[name][1], str) else None for name in found}
         if all(reasons.values()):
             raise none_takes(what, reasons)
@@ -159,7 +160,8 @@ class AutoBackend(Backend):
                 cfg = self.probe_config(job.cfg, found[name])
                 checked, checked_job = self._checked.pop(name, (None, None))
                 probes.append(probe(name, cfg, cheapest, after_warmup,
-                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None))
+                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None, self.probe_cores,
+                                    job.busy_cores()))
         choice = judge(probes, self.reference, self.tolerance, what, after_warmup)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
@@ -197,6 +199,7 @@ class Probe:
     loss: float = math.nan  # the loss compared with the reference's (`judge`)
     difference: float = math.nan  # (loss - the reference's) / the reference's, at the same step
     agrees: bool = False  # its loss is within the tolerance of the reference's
+    budget: str = ""  # the CPU budget it ran with (orchestrate.cpu.Budget.cell)
 
     def run_s(self, steps: int) -> float:
         """What the run would take with it: the warm-up again, then `steps` steps at its step time."""
@@ -242,6 +245,11 @@ class Aside(Parallel):
 
     logging = False
 
+    def __init__(self, cores: float | None = None, busy: float | None = None):
+        # The probe's CPUs (orchestrate.cpu; None: what the process finds), and the cores other
+        # processes keep busy as the run measured them: every probe runs on the run's budget.
+        self.cores, self.busy = cores, busy
+
 
 def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_steps: int) -> DictConfig:
     """The run's config with `node` as its backend, as a probe trains it: one process, one batch
@@ -259,17 +267,17 @@ def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_ste
     return probe
 
 
-def checked_probe(cfg: DictConfig) -> Job | str:
-    """The probe config's job, built and checked as its probe runs it, or why its backend
-    refuses it (its ConfigError's line)."""
+def checked_probe(cfg: DictConfig, cores: float | None = None, busy: float | None = None) -> Job | str:
+    """The probe config's job, built and checked as its probe runs it (on `cores` CPUs: Aside),
+    or why its backend refuses it (its ConfigError's line)."""
     try:
-        return Job.prepare(cfg, out_dir="unused", parallel=Aside())
+        return Job.prepare(cfg, out_dir="unused", parallel=Aside(cores, busy))
     except ConfigError as e:
         return str(e)
 
 
 def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0,
-          checked: Job | str | None = None) -> Probe:
+          checked: Job | str | None = None, cores: float | None = None, busy: float | None = None) -> Probe:
     """Train the probe config `cfg` aside and measure it; stopped early once its run (warm-up and
     `after_warmup` steps) costs more than `cheapest`'s (the cheapest probe that finished before
     it). `checked`: `checked_probe`'s answer for `cfg`, taken over instead of building the job
@@ -280,10 +288,12 @@ def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmu
         try:
             if isinstance(checked, str):
                 raise ConfigError(checked)
-            job = checked.moved_to(cfg, folder) if checked is not None else Job.prepare(cfg, folder, parallel=Aside())
+            job = checked.moved_to(cfg, folder) if checked is not None else \
+                Job.prepare(cfg, folder, parallel=Aside(cores, busy))
         except ConfigError as e:
             result.verdict = f"refused: {e}"
             return result
+        result.budget = job.backend.budget(job).cell
         watch = Stopwatch(job.trainer, cheapest, after_warmup)
         job.meter.on_display = watch
         try:
@@ -395,12 +405,12 @@ def table(probes: list[Probe], base: Probe | None, after_warmup: int) -> str:
     def number(value: float, spec: str) -> str:
         return "-" if math.isnan(value) else format(value, spec)
 
-    rows = [f"| backend | samples/s | step ms | warm-up s | run s | probe loss | vs {base.name if base else 'reference'} "
-            "| verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = [f"| backend | CPU: threads + loader of cores | samples/s | step ms | warm-up s | run s | probe loss | "
+            f"vs {base.name if base else 'reference'} | verdict |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for p in probes:
         difference = round(p.difference, 4) + 0.0  # a difference of -1e-7 shows as +0.00%, not -0.00%
         timed = not math.isnan(p.step_time_ms)
-        rows.append(f"| {p.name} | {number(p.samples_per_sec, ',.0f')} | {number(p.step_time_ms, '.3f')} | "
+        rows.append(f"| {p.name} | {p.budget or '-'} | {number(p.samples_per_sec, ',.0f')} | {number(p.step_time_ms, '.3f')} | "
                     f"{number(p.warmup_s if timed else math.nan, '.2f')} | "
                     f"{number(p.run_s(after_warmup), ',.1f')} | "
                     f"{number(p.loss, '.4f')} | {number(difference, '+.2%')} | {p.verdict.replace('|', '/')} |")

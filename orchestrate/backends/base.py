@@ -68,6 +68,14 @@ class Backend(ABC):
         raises (the config was refused). Nothing by default."""
         return contextlib.nullcontext()
 
+    def budget(self, job):
+        """The CPU budget this backend trains with on `job` (orchestrate.cpu: the cores split
+        between training threads and loader processes, `backend.intra_op_threads` winning): what
+        the run logs as params and its summary shows. The runner's is one worker's."""
+        from orchestrate import cpu
+
+        return cpu.budget(self, job.data, given=job.parallel.cores, busy=job.busy_cores())
+
     def connect(self, job) -> contextlib.AbstractContextManager:
         """Hold what the run needs outside this process for as long as the run lasts (the runner:
         a Ray cluster that can place its workers), raising ConfigError if it cannot be had.

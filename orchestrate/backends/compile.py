@@ -26,6 +26,7 @@ import torch
 
 from orchestrate.backends.torch import TorchBackend
 from orchestrate.schema import ConfigError
+from orchestrate.thirdparty import inductor_kernel_threads
 
 # torch.compile's modes (torch/__init__.py, torch 2.6): "reduce-overhead" adds CUDA graphs,
 # "max-autotune" benchmarks kernel choices at compile time (longer to compile).
@@ -49,6 +50,11 @@ class CompileBackend(TorchBackend):
             # Inductor writes C++ for a CPU and compiles it with the system's compiler, at the first step.
             raise ConfigError("backend=compile on a CPU needs a C++ compiler (g++), and none is on PATH: install one "
                               "(Debian/Ubuntu: apt-get install g++), or choose backend=torch")
+
+    def fit(self, job) -> None:
+        # Inductor's kernels run the budget's threads, whatever a cached kernel was compiled for.
+        with inductor_kernel_threads(job.use_cores(self).threads):
+            super().fit(job)
 
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
         # TorchDynamo keeps what it compiled per code object, up to a limit of recompilations,

@@ -146,7 +146,7 @@ class OnDeviceBackend(Backend):
     opset: int  # opset 17 breaks ORT 1.19's LayerNormalization gradient; 14-16 work
     # ORT's default (a thread per core, spinning) ran the digits MLP at 29.5k samples/s on 2 cores,
     # one intra-op thread at 113k: conf/backend/ondevice.yaml sets one thread.
-    intra_op_threads: Annotated[int, AT_LEAST_0]
+    intra_op_threads: Annotated[int | None, AT_LEAST_0]  # None: the run's CPU budget (orchestrate.cpu); 0: ORT's default
     allow_spinning: bool
     log_level: str  # ORT's output on the console from this level up (ort.LEVELS); the log file has all
     frozen_params: list[str]  # fnmatch patterns of parameter names to freeze
@@ -317,6 +317,7 @@ class OnDeviceBackend(Backend):
         from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
         meter, parallel, t, resume = job.meter, job.parallel, job.trainer, job.resume_state
+        job.use_cores(self)  # ORT's session threads (below) and the loader's processes
         # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
         # settings: its lines go through logging (the log file; the console from backend.log_level).
         with ort.stderr_logged():
@@ -329,7 +330,7 @@ class OnDeviceBackend(Backend):
                 ort.replay(said)  # what the build logged, in this run's log as if built here
             else:
                 self.generate_artifacts(job, folder)
-            options = ort.session_options(self.intra_op_threads, self.allow_spinning, self.mapped_dimensions,
+            options = ort.session_options(job.cpu.threads, self.allow_spinning, self.mapped_dimensions,
                                           self.log_level)
             # The parameters generate_artifacts started from, or the resumed run's. An Optimizer
             # built over a state that holds optimizer state takes it up: AdamW's moments and the

@@ -231,14 +231,14 @@ class ORTModuleBackend(TorchBackend):
         # Its logger at WARNING at most: the banner and the exporter's warnings (which ORTModule
         # collects from the export and logs at WARNING) reach the log file whatever backend.log_level.
         wrapped._logger.setLevel(min(wrapped._logger.level, logging.WARNING))
-        self._set_threads(wrapped)
+        self._set_threads(wrapped, job.cpu.threads)
         return wrapped
 
-    def _set_threads(self, wrapped) -> None:
-        """The thread pool, spinning and mapped dimensions on each session ORTModule builds (it has
-        no public option for them: orchestrate.thirdparty)."""
+    def _set_threads(self, wrapped, threads: int) -> None:
+        """The thread pool (the run's CPU budget's `threads`), spinning and mapped dimensions on
+        each session ORTModule builds (it has no public option for them: orchestrate.thirdparty)."""
         ortmodule_session_options(wrapped, lambda options: ort.configure(
-            options, self.intra_op_threads, self.allow_spinning, self.mapped_dimensions))
+            options, threads, self.allow_spinning, self.mapped_dimensions))
 
     def seed_step(self, step: int, job) -> None:
         # ORTModule's Dropout runs inside ORT and draws from ORT's one process-wide generator,

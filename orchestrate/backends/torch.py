@@ -28,7 +28,8 @@ from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
 @dataclass
 class TorchBackend(Backend):
     name: str
-    intra_op_threads: Annotated[int, AT_LEAST_0]  # torch.set_num_threads; 0 keeps PyTorch's default (one per core)
+    # torch.set_num_threads; None: the run's CPU budget (orchestrate.cpu), 0: PyTorch's default (one per core)
+    intra_op_threads: Annotated[int | None, AT_LEAST_0]
     # torch.optim's fused optimizer (one kernel for the update, Job.make_optimizer) unless
     # optimizer.fused is set: it also skips a nan step's update on the device, so no step waits.
     fused_optimizer: bool = field(default=True, kw_only=True)  # a default: a user's subclass file may leave it out
@@ -51,8 +52,7 @@ class TorchBackend(Backend):
         """Before each step: nothing here (torch's generator state travels in the checkpoint)."""
 
     def fit(self, job) -> None:
-        if self.intra_op_threads:
-            torch.set_num_threads(self.intra_op_threads)  # restored when the run ends (orchestrate.process)
+        job.use_cores(self)  # torch's threads and the loader's processes; put back when the run ends
         meter, parallel, device, t = job.meter, job.parallel, job.device, job.trainer
         K, weight = job.micro_batches, job.loss_weight  # this rank's micro-batches a step (above 1 on the runner)
         state = job.resume_state

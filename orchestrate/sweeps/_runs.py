@@ -217,7 +217,8 @@ class Sweep:
                 index=int(run.data.tags.get(INDEX_KEY, -1)), name=name, status=status, run_id=run.info.run_id,
                 start_ms=run.info.start_time, end_ms=run.info.end_time, metrics=dict(run.data.metrics),
                 max_steps=int(max_steps) if max_steps else None, pruned_at=int(pruned) if pruned else None,
-                curve=[(m.timestamp, m.value) for m in curve], error=error))
+                curve=[(m.timestamp, m.value) for m in curve], error=error,
+                params={k: v for k, v in run.data.params.items() if k.startswith("cpu.")}))
         for index, overrides in enumerate(self.planned):
             name = trial_name(overrides, self.fixed)
             if name not in latest:

@@ -28,6 +28,16 @@ class Row:
     pruned_at: int | None = None  # the step the sweep's pruner stopped it at
     curve: list[tuple[int, float]] = field(default_factory=list)  # (timestamp ms, value) of the sweep metric
     error: str = ""
+    params: dict[str, str] = field(default_factory=dict)  # the run's cpu.* params: the CPU budget it trained with
+
+    @property
+    def cpu(self) -> str:
+        """The CPU budget (orchestrate.cpu), "threads + loader processes of cores", from its params."""
+        p = self.params
+        if "cpu.cores" not in p:
+            return ""
+        threads = "default" if p["cpu.threads"] == "library default" else p["cpu.threads"]
+        return f"{threads} + {p['cpu.loader_processes']} of {p['cpu.cores']}"
 
     @property
     def wall_time_s(self) -> float | None:
@@ -78,13 +88,13 @@ def table(rows: list[Row], metric: str, tolerance: float, lower: bool = True) ->
     target = (max if lower else min)(bests[r.index] for r in reached) if reached else None
     to_target = f"s to {metric} {'<=' if lower else '>='} {_cell(target, '.4f')}"
     head = ["trial", "overrides", "status", "final train loss", f"best {metric}", to_target, "samples/s",
-            "step time (ms)", "wall time (s)", "error"]
+            "step time (ms)", "CPU: threads + loader of cores", "wall time (s)", "error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: r.index):
         m = r.metrics
         cells = [str(r.index), r.name, r.shown_status, _cell(m.get("final/train_loss"), ".4f"),
                  _cell(bests[r.index], ".4f"), _cell(time_to(r, target, lower) if target is not None else None, ".1f"),
-                 _cell(m.get("final/samples_per_sec"), ",.0f"), _cell(m.get("final/step_time_ms"), ".2f"),
+                 _cell(m.get("final/samples_per_sec"), ",.0f"), _cell(m.get("final/step_time_ms"), ".2f"), r.cpu,
                  _cell(r.wall_time_s, ".1f"), r.error.replace("\n", " ").replace("|", "/")[:120]]
         lines.append("| " + " | ".join(cells) + " |")
     if reached:

@@ -5,7 +5,7 @@
     data:
       _target_: orchestrate.tasks.loader.MapData
       dataset: {_target_: my_project.data.MyImages, root: /data/images}
-      num_workers: 2
+      num_workers: null   # the loader's processes; null: the run's CPU budget (orchestrate.cpu)
 
 (or `data._target_=my_project.data.MyImages` alone: `orchestrate.job.build_data` wraps a plain
 Dataset in `MapData` with its defaults.)
@@ -14,7 +14,8 @@ Dataset in `MapData` with its defaults.)
   the training indices drawn from (seed, epoch), as `TensorData` does: every backend, and a run
   resumed at any step, reads the same items in the same order; rank r of N takes its slice.
 - **Loaded ahead, in other processes.** A `torch.utils.data.DataLoader` reads the items with
-  `num_workers` worker processes, `prefetch_factor` batches each ahead of the step, through a
+  `num_workers` worker processes (None: as many as the run's CPU budget gives the loader, beside
+  the training threads: orchestrate.cpu), `prefetch_factor` batches each ahead of the step, through a
   sampler that yields exactly the index lists of the positions asked for: a slow `__getitem__`
   (a file read, a decode) runs while the step computes. The loop asks for positions in order; a
   jump (a resume, `backend=auto`'s next probe) starts the loader again at the new position. On a
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from orchestrate import losses
+from orchestrate import cpu, losses
 from orchestrate.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, SEED
 
 
@@ -43,11 +44,15 @@ class MapData:
 
     def __init__(self, dataset: Dataset, eval_dataset: Dataset | None = None,
                  eval_fraction: Annotated[float, FRACTION] = 0.1, seed: Annotated[int, SEED] = 0,
-                 num_workers: Annotated[int, AT_LEAST_0] = 2, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
+                 num_workers: Annotated[int | None, AT_LEAST_0] = None, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
                  loss: str | None = None, max_eval_items: Annotated[int | None, AT_LEAST_1] = None):
         self.loss = loss or getattr(dataset, "loss", "cross_entropy")  # a Dataset may say its own
         losses.get(self.loss)  # a ValueError naming the allowed losses
         self.dataset, self.num_workers, self.prefetch_factor = dataset, num_workers, prefetch_factor
+        # The loader's processes: num_workers, else the CPU budget's share of the cores found here
+        # until a run sizes it for its own (Job.use_cores -> use_processes).
+        self.processes = num_workers if num_workers is not None else \
+            cpu.split(*cpu.cores(), reads_ahead=True).loader_processes
         self.name = type(dataset).__qualname__
         self._first = check_items(dataset)
         cap = max_eval_items or 2**62
@@ -103,13 +108,19 @@ class MapData:
             facts["source"] = str(source)
         return facts
 
+    def use_processes(self, count: int) -> None:
+        """Read with `count` loader processes from the next batch on (a run's CPU budget)."""
+        if count != self.processes:
+            self.close()
+            self.processes = count
+
     def close(self) -> None:
         """Stop the loader's worker processes (a run's end; the next run starts them again): the
         loader's iterator, the one reference to it dropped, shuts its workers down as it goes."""
         self._loader, self._next = None, None
 
     def _make_loader(self, batches: Sampler, dataset: Dataset | None = None) -> DataLoader:
-        workers = self.num_workers
+        workers = self.processes
         return DataLoader(dataset if dataset is not None else self.dataset, batch_sampler=batches,
                           num_workers=workers, prefetch_factor=self.prefetch_factor if workers else None,
                           collate_fn=pair, persistent_workers=False)

@@ -67,12 +67,12 @@ class ShardWindows(Dataset):
 class TokenShards(MapData):
     """The shards in `folder` served to every backend (MapData): windows of `block_size` tokens,
     a seeded `eval_fraction` of them held out (evaluated on at most `max_eval_items`), read by
-    `num_workers` loader processes."""
+    `num_workers` loader processes (None: the run's CPU budget's, orchestrate.cpu)."""
 
     def __init__(self, folder: str, block_size: Annotated[int, AT_LEAST_1] = 64,
                  vocab_size: Annotated[int, AT_LEAST_1] = len(PRINTABLE),
                  eval_fraction: Annotated[float, FRACTION] = 0.01, seed: Annotated[int, SEED] = 0,
-                 num_workers: Annotated[int, AT_LEAST_0] = 2, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
+                 num_workers: Annotated[int | None, AT_LEAST_0] = None, prefetch_factor: Annotated[int, AT_LEAST_1] = 4,
                  max_eval_items: Annotated[int | None, AT_LEAST_1] = 4096):
         self.vocab_size = vocab_size  # the model's (model.vocab_size: ${data.vocab_size})
         super().__init__(ShardWindows(folder, block_size), eval_fraction=eval_fraction, seed=seed,

@@ -29,8 +29,9 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
 
 
 def training_keys(params: dict[str, str]) -> dict[str, str]:
-    """The params that decide the training: tracking settings and RESUME_FREE left out."""
-    return {k: v for k, v in params.items() if not k.startswith("tracking.") and k not in RESUME_FREE}
+    """The params that decide the training: tracking settings, the machine's CPU budget
+    (`cpu.*`, orchestrate.cpu) and RESUME_FREE left out."""
+    return {k: v for k, v in params.items() if not k.startswith(("tracking.", "cpu.")) and k not in RESUME_FREE}
 
 
 def config_key(cfg: DictConfig) -> str:

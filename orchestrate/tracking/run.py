@@ -69,7 +69,8 @@ class Run(RunLogger):
     """The run `which_run` chose, open. An exception out of the `with` block marks it FAILED (the
     error text in its `error` tag), Ctrl-C or a stopping signal KILLED, a clean exit FINISHED."""
 
-    def __init__(self, cfg: DictConfig, choice: RunChoice, run_name: str, tags: dict[str, str], out_dir: Path):
+    def __init__(self, cfg: DictConfig, choice: RunChoice, run_name: str, tags: dict[str, str], out_dir: Path,
+                 params: dict[str, str] | None = None):
         from mlflow.tracking import MlflowClient
 
         # MLflow's quick HTTP settings from the run's first request on; given back on the way out.
@@ -82,7 +83,7 @@ class Run(RunLogger):
             super().__init__(choice.uri, run.info.run_id, out_dir)
             self.experiment_id = run.info.experiment_id  # the UI line opens its runs page
             tell_wrapper(choice.uri, run.info.run_id)
-            self._record(cfg, choice, run, tags)
+            self._record(cfg, choice, run, tags, params or {})
         except BaseException:
             if self.outbox is not None:
                 self.end_outbox()
@@ -111,8 +112,9 @@ class Run(RunLogger):
         experiment_id = training_experiment(client, cfg.tracking.experiment)
         return client.create_run(experiment_id, run_name=cfg.tracking.run_name or run_name, tags=resolve_tags(tags))
 
-    def _record(self, cfg: DictConfig, choice: RunChoice, run, tags: dict[str, str]) -> None:
-        """What the run holds before its first step."""
+    def _record(self, cfg: DictConfig, choice: RunChoice, run, tags: dict[str, str], extra: dict[str, str]) -> None:
+        """What the run holds before its first step: `extra` params beside the config's (the
+        CPU budget: orchestrate.cpu), those a resumed run does not hold yet."""
         from mlflow.entities import Param, RunTag
 
         if choice.resume is not None:
@@ -121,9 +123,11 @@ class Run(RunLogger):
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         mark_for_training(self.client, run.info.experiment_id)
         if choice.resume is None:  # a resumed run's params are this config already (config_key matched)
-            params = [Param(k, v) for k, v in flatten(cfg).items()]
+            params = [Param(k, v) for k, v in {**flatten(cfg), **extra}.items()]
             for i in range(0, len(params), PARAMS_PER_REQUEST):
                 self.client.log_batch(self.run_id, params=params[i : i + PARAMS_PER_REQUEST])
+        elif missing := [Param(k, v) for k, v in extra.items() if k not in run.data.params]:
+            self.client.log_batch(self.run_id, params=missing)  # a param once logged stays (MLflow's rule)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.yaml").write_text(redacted_yaml(cfg))
             (Path(tmp) / "requirements-freeze.txt").write_text(installed_packages())

@@ -2,6 +2,7 @@
 share one LauncherTestSuite): it trains, tracks, checkpoints and exports the same way, and every
 shipped model (conf/model/*.yaml) exports the same model.onnx whichever backend trained it."""
 
+import os
 import re
 
 import numpy as np
@@ -79,6 +80,17 @@ def test_metrics_params_and_tags_in_mlflow(trained):
         assert tags["backend"] == backend
     assert tags["device"].startswith("cpu")
     assert {"git_commit", "version.torch", "version.onnx", "version.onnxruntime-training-cpu"} <= set(tags)
+
+
+def test_the_run_logs_the_cpu_budget_it_trained_with(trained):
+    """Every backend splits the cores alike (orchestrate.cpu): the run's params say how, threads +
+    loader processes within the cores (the runner's: one worker's backend.cpus_per_worker)."""
+    backend, cfg, result, client = trained
+    params = client.get_run(result.run_id).data.params
+    cores, loader = int(params["cpu.cores"]), int(params["cpu.loader_processes"])
+    assert cores == (cfg.backend.cpus_per_worker if backend_target(backend).distributed else len(os.sched_getaffinity(0)))
+    assert loader == 0  # the synthetic data is in memory: no loader
+    assert 1 <= int(params["cpu.threads"]) <= cores
 
 
 def test_artifacts_in_mlflow(trained):

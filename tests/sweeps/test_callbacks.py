@@ -139,6 +139,7 @@ def row(index, name, best_at, rate, status="FINISHED"):
     seconds, value = best_at
     return _summary.Row(index, name, status, run_id=f"r{index}", start_ms=1_000, end_ms=1_000 + 9_000,
                         metrics={"final/train_loss": 0.5, "final/samples_per_sec": rate, "final/step_time_ms": 1.25},
+                        params={"cpu.cores": "2", "cpu.threads": "2", "cpu.loader_processes": "0"},
                         curve=[(1_000 + 500, 0.9), (1_000 + int(seconds * 1000), value)])
 
 
@@ -148,9 +149,10 @@ def test_a_tie_is_called_a_tie_and_told_apart_by_speed():
             _summary.Row(3, "backend=runner", "FAILED", error="RuntimeError: boom")]
     text = _summary.table(rows, "eval_loss", tolerance=1e-3)
     assert text.splitlines()[0] == ("| trial | overrides | status | final train loss | best eval_loss | "
-                                    "s to eval_loss <= 0.3002 | samples/s | step time (ms) | wall time (s) | error |")
-    assert "| 1 | backend=ondevice | FINISHED | 0.5000 | 0.3000 | 3.1 | 71,942 | 1.25 | 9.0 |  |" in text
-    assert "| 3 | backend=runner | FAILED |  |  |  |  |  |  | RuntimeError: boom |" in text
+                                    "s to eval_loss <= 0.3002 | samples/s | step time (ms) | CPU: threads + loader of cores | "
+                                    "wall time (s) | error |")
+    assert "| 1 | backend=ondevice | FINISHED | 0.5000 | 0.3000 | 3.1 | 71,942 | 1.25 | 2 + 0 of 2 | 9.0 |  |" in text
+    assert "| 3 | backend=runner | FAILED |  |  |  |  |  |  |  | RuntimeError: boom |" in text
     assert text.splitlines()[-1] == ("tie: trials 0, 1, 2 reach eval_loss 0.3002 within 0.1%; "
                                      "fastest to it: trial 1 (backend=ondevice, 3.1 s); "
                                      "highest throughput: trial 1 (71,942 samples/s)")

@@ -14,8 +14,8 @@ from orchestrate.parallel import Parallel
 
 class Workers(Parallel):
     def __init__(self, rank: int, world_size: int, device: torch.device, average_every: int = 0,
-                 check_replicas: bool = True):
-        self.rank, self.world_size, self.device = rank, world_size, device
+                 check_replicas: bool = True, cores: float | None = None):
+        self.rank, self.world_size, self.device, self.cores = rank, world_size, device, cores
         self.logging = rank == 0
         self.average_every, self.check_replicas = average_every, check_replicas
 

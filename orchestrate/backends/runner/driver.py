@@ -136,21 +136,29 @@ class RunnerBackend(Backend):
     resumable = True
 
     def sized(self, node: DictConfig) -> DictConfig:
-        """An engine's backend config, sized for one worker: its thread pools get the worker's
-        CPUs, and ORT engines the runner's mapped dimensions and log level."""
-        sized = {"intra_op_threads": max(1, int(self.cpus_per_worker)), "mapped_dimensions": self.mapped_dimensions,
-                 "log_level": self.log_level}
+        """An engine's backend config for the workers: ORT engines get the runner's mapped
+        dimensions and log level. Its threads are the worker's CPU budget's (`budget`)."""
+        sized = {"mapped_dimensions": self.mapped_dimensions, "log_level": self.log_level}
         return OmegaConf.merge(node, {k: v for k, v in sized.items() if k in node})
 
     def engine_node(self) -> DictConfig:
         """The engine's backend config, sized for one worker."""
         return self.sized(engine_config(self.engine))
 
+    def budget(self, job):
+        """One worker's CPU budget: its backend.cpus_per_worker split by the rule (orchestrate.cpu),
+        the engine's backend.intra_op_threads winning."""
+        from orchestrate import cpu
+
+        return cpu.budget(self.engine_backend(), job.data, given=self.cpus_per_worker, busy=job.busy_cores())
+
     def engine_backend(self) -> Backend:
         """The engine, built from its config as each worker builds it; once per runner: `check`
         and `fit` share it (backend.engine=auto: the candidates it checked are those it probes)."""
         if self.__dict__.get("_engine") is None:
             self._engine = schema.build(self.engine_node(), "backend.engine")
+            if self._engine.chooses:  # backend.engine=auto probes each engine on one worker's CPUs
+                self._engine.probe_cores = self.cpus_per_worker
         return self._engine
 
     def engine_candidates(self, auto) -> dict[str, DictConfig]:

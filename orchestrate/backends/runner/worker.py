@@ -65,12 +65,14 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     from orchestrate.tracking.settings import ONE_LOGGING_THREAD
 
     cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
-    torch.set_num_threads(max(1, int(cfg.backend.cpus_per_worker)))  # sized to this worker's CPUs
     os.environ.update(ONE_LOGGING_THREAD)
     if rank != 0:
         cfg.trainer.progress = False
     device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
-    parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas)
+    # The worker's CPUs (backend.cpus_per_worker) are its CPU budget's cores: the engine's loop
+    # sizes its threads and loader from them (orchestrate.cpu), in the driver's process too.
+    parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas,
+                       cores=cfg.backend.cpus_per_worker)
     # Built once, for this rank (the same seed: the same initial weights on every rank), with the
     # engine the driver chose and sized; nothing is checked again: the driver checked the config.
     job = Job.build(cfg, Path(config["out_dir"]), parallel=parallel)
