@@ -146,11 +146,11 @@ def busy(count: int):
             process.wait(timeout=30)
 
 
-def budget_arms(backend: str, cores: int, disk: bool) -> tuple[dict[str, list[str]], int]:
+def budget_arms(backend: str, cores: int, disk: bool, busy: int) -> tuple[dict[str, list[str]], int]:
     """A backend's settings to compare: the budget rule, its library's default, and each fixed
-    thread count from 1 to `cores` but the rule's own (the loader at the rule's count); and the
-    rule's thread count."""
-    rule = cpu.split(cores, "", reads_ahead=disk).threads
+    thread count from 1 to `cores` but the rule's own (the loader at the rule's count), `busy`
+    cores taken by other processes; and the rule's thread count."""
+    rule = cpu.split(cores, "", reads_ahead=disk, busy=busy).threads
     arms = {f"{backend}|rule": [f"backend={backend}"],
             f"{backend}|library default": [f"backend={backend}", "backend.intra_op_threads=0",
                                            *(["+data.num_workers=2"] if disk else [])]}
@@ -180,13 +180,15 @@ def budget_main(args) -> None:
                     if "data=digits" not in overrides:
                         raise SystemExit(f"--data disk: the digits as PNG files, for a model on data=digits; not {model}")
                     overrides = [*overrides, "data._target_=png_digits.PngDigits", f"+data.root={png}"]
-                arms, rules = {}, {}
-                for backend in args.backends:
-                    found, rules[backend] = budget_arms(backend, cores, data == "disk")
-                    arms.update(found)
                 for load in args.busy:
-                    print(f"{model}, {data}, {load} busy process(es): {len(arms)} settings x {args.repeats}", flush=True)
                     with busy(load):
+                        taken = round(cpu.busy_elsewhere(0.5))  # the rule's own view of the load
+                        arms, rules = {}, {}
+                        for backend in args.backends:
+                            found, rules[backend] = budget_arms(backend, cores, data == "disk", taken)
+                            arms.update(found)
+                        print(f"{model}, {data}, {load} busy process(es): {len(arms)} settings x {args.repeats}",
+                              flush=True)
                         results[model, data, load] = (measure(overrides, steps, args.repeats, arms, tmp,
                                                               f"{model}-{data}-{load}"), rules, steps)
     print(f"\nmachine   {where}")

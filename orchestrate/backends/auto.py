@@ -11,7 +11,10 @@ The story (`AutoBackend.fit`):
 2. A probe per candidate: the run's own config with that backend, built as `backend=<it>` builds
    it (`Job.prepare`: the same seed gives the same initial weights and the same batches; a backend
    that refuses the config is listed with its reason), trained for `warmup_steps + probe_steps`
-   steps aside: no MLflow, no evaluation, checkpoint or export, in a temporary folder.
+   steps aside: no MLflow, no evaluation, checkpoint or export, in a temporary folder. Every probe
+   runs on the run's CPU budget (orchestrate.cpu: the same cores, split the same way between
+   threads and loader processes, the load of other processes measured once for all); a
+   candidate's own `backend.intra_op_threads` wins, and the table's CPU column says so.
 3. Its steady samples/s and step time are the meter's over the steps after the warm-up; the
    warm-up window's seconds are kept apart: they hold what the run pays once, again (ORTModule's
    export and graph build, torch.compile's compilation). A candidate's cost for the run is that

@@ -4,6 +4,7 @@ and trains the run exactly as the chosen backend would have, in one MLflow run t
 choice. Two test backends are wrong on purpose (tests/helpers.py): one slow, one that disagrees."""
 
 import math
+import os
 
 import pytest
 
@@ -22,8 +23,8 @@ TEST_BACKENDS = {  # conf/backend files of the user's own, in the test's config 
 
 
 def rows(markdown: str) -> dict[str, list[str]]:
-    """The probe table's rows by backend: samples/s, step ms, warm-up s, run s, probe loss, vs
-    reference, verdict."""
+    """The probe table's rows by backend: CPU budget, samples/s, step ms, warm-up s, run s, probe
+    loss, vs reference, verdict."""
     found = {}
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -55,10 +56,13 @@ def test_auto_chooses_neither_the_slow_nor_the_disagreeing_backend_of_a_users_co
     assert chosen not in TEST_BACKENDS
     # The same losses as torch, but slower: stopped once slower than one that finished before it.
     assert table["slow_torch"][-1].startswith(("agrees; ", "slower than ")), table["slow_torch"]
-    assert float(table["slow_torch"][0].replace(",", "")) < float(table[chosen][0].replace(",", ""))
+    assert float(table["slow_torch"][1].replace(",", "")) < float(table[chosen][1].replace(",", ""))
     assert table["off_torch"][-1].startswith("disagrees: loss ")
-    assert abs(float(table["off_torch"][5].rstrip("%"))) > 10  # its difference from torch, beyond the tolerance
-    assert table["torch"][5] == "+0.00%"
+    assert abs(float(table["off_torch"][6].rstrip("%"))) > 10  # its difference from torch, beyond the tolerance
+    assert table["torch"][6] == "+0.00%"
+    # Every candidate probed on the same CPU budget ("threads + loader of cores"), this machine's cores.
+    [budget] = {row[0] for row in table.values() if row[1] != "-"}
+    assert budget.endswith(f" + 0 of {len(os.sched_getaffinity(0))}"), table
     assert run.info.status == "FINISHED"
     assert (run.data.tags["backend"], run.data.tags["auto"]) == (chosen, "true")
     assert "| off_torch |" in printed and printed.index("| off_torch |") < printed.index(f"backend {chosen}: 40 steps")
