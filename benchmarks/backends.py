@@ -318,13 +318,14 @@ def main() -> None:
             tables[label] = measure(overrides, steps, args.repeats, {b: [f"backend={b}"] for b in args.backends}, tmp,
                                     label.replace(" ", "_"))
 
-    threads = torch.get_num_threads()
     print(f"\nmachine   {where}")
     print(f"software  Python {platform.python_version()}, torch {torch.__version__}, "
           f"onnxruntime {ort.load().__version__}")
     print(f"measured  {when}, commit {commit()}")
-    print(f"{args.repeats} interleaved repeats, medians; torch and compile with PyTorch's default {threads} threads, "
-          f"ortmodule and ondevice with their configured ORT threads")
+    budgets = {r["params"].get("cpu.threads", "?") + " + " + r["params"].get("cpu.loader_processes", "?")
+               for table in tables.values() for r in table.values()}
+    print(f"{args.repeats} interleaved repeats, medians; every backend on the CPU budget rule (orchestrate/cpu.py): "
+          f"threads + loader processes {', '.join(sorted(budgets))} of {cpu.cores()[0]} cores")
     print("| model | steps | backend | samples/s | vs torch | step ms | compile s | s to eval loss <= level | "
           "final train loss | eval loss | target (a goal, not a result) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -89,7 +89,16 @@ def test_the_same_sweep_leaves_the_same_runs_on_every_launcher(launcher, small_s
                                "optimizer.lr=0.01": ("FINISHED", True, "1")}
     assert got["params"]["optimizer.lr=0.01"]["optimizer.lr"] == "0.01"
     reference = structure(small_sweep("basic")[0])
+    # The same config; the CPU budget is the launcher's (orchestrate.cpu): a Ray trial's is its one
+    # CPU (hydra.launcher.cpus_per_trial), a trial in the sweep's own process has the machine's cores.
+    budget = {name: {k: params.pop(k) for k in list(params) if k.startswith("cpu.")}
+              for name, params in got["params"].items()}
+    for params in reference["params"].values():
+        for key in [k for k in params if k.startswith("cpu.")]:
+            del params[key]
     assert got["params"] == reference["params"]
+    cores = "1" if launcher == "orchestrate_ray" else str(len(os.sched_getaffinity(0)))
+    assert {b["cpu.cores"] for b in budget.values()} == {cores}, budget
     assert got["final train loss"] == pytest.approx(reference["final train loss"], rel=1e-5)  # same seed
 
 
