@@ -159,10 +159,10 @@ def ray_assigned_cpus() -> float | None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
-    context = ray.get_runtime_context()
-    if context.worker.mode != ray.WORKER_MODE:  # the driver: nothing assigned
+    try:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except AssertionError:  # Ray's answer in the driver: "only available when the process is a worker"
         return None
-    cpus = context.get_assigned_resources().get("CPU")
     return cpus if cpus else None
 
 
