@@ -173,6 +173,23 @@ def ensure_extensions() -> None:
         raise RuntimeError("ORTModule was imported before its extensions were built: run the command again.")
 
 
+# ORTModule's C++ extensions (onnxruntime-training 1.19.2, its last release) build against torch
+# 2.6 at most; with a newer torch they fail to compile on the first step. The on-device API has no
+# extension: it trains with torch 2.14 (measured on Python 3.12, docs/compatibility.md).
+TORCH_CEILING = (2, 6)
+
+
+def check_torch(version: str) -> None:
+    """Refuse a torch newer than ORTModule's ceiling before any run opens, naming what works."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if release > TORCH_CEILING:
+        raise ConfigError(f"backend=ortmodule needs torch {'.'.join(map(str, TORCH_CEILING))} at most (ORT 1.19.2's "
+                          f"ORTModule builds its C++ extensions against it), and this environment has torch {version}: "
+                          f"install torch=={'.'.join(map(str, TORCH_CEILING))}.0 (the stack constraints.txt pins, on "
+                          "Python 3.11), or train with backend=ondevice (ORT's on-device API, which runs with this torch), "
+                          "backend=torch or backend=compile")
+
+
 ORTMODULE_OPSET = 17  # onnxruntime-training 1.19.2's ORTModule exports at this opset (ORTMODULE_ONNX_OPSET_VERSION)
 _EXPORTS: dict[tuple[str, int], str | None] = {}  # (model config, opset) -> why it does not export, or None
 
@@ -191,6 +208,7 @@ class ORTModuleBackend(TorchBackend):
 
     def check(self, job) -> None:
         super().check(job)
+        check_torch(torch.__version__)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         check_options(self.options)

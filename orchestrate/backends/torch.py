@@ -207,12 +207,14 @@ def export_for_training(model: torch.nn.Module, sample: torch.Tensor, opset: int
     was_training = model.training
     model.train()
     out = io.BytesIO()
+    # dynamo=False here and in export_onnx: TorchScript's exporter, torch 2.6's default and what ORT's
+    # artifact builder was made for; torch 2.9 on default to the dynamo exporter (and onnxscript).
     try:
         with torch.random.fork_rng(devices=[]), ort.exporting(log_level):
             torch.onnx.export(model, (sample,), out, input_names=["input"], output_names=["logits"],
                               dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
                               training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                              export_params=True)
+                              export_params=True, dynamo=False)
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
@@ -236,7 +238,7 @@ def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: Path, opset:
     with ort.exporting(log_level):
         torch.onnx.export(model, (sample,), str(path), input_names=["input"], output_names=["logits"],
                           dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
-                          training=torch.onnx.TrainingMode.EVAL, export_params=True)
+                          training=torch.onnx.TrainingMode.EVAL, export_params=True, dynamo=False)
     model.train(was_training)
     exported = onnx.load(str(path))
     declare_shape(exported.graph.input[0], sample.shape)
