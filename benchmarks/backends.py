@@ -209,9 +209,8 @@ def budget_main(args) -> None:
             ratio = mine["rule"]["samples_per_sec"] / best
             verdicts[model, data, load, backend] = (ratio, mine["library default"]["samples_per_sec"] / best)
             for name, r in mine.items():
-                p = r["params"]
                 shown = f"rule ({rules[backend]} thread(s))" if name == "rule" else name
-                cell = f"{p.get('cpu.threads', '?')} + {p.get('cpu.loader_processes', '?')} of {p.get('cpu.cores', '?')}"
+                cell = cpu.shown(r["params"])
                 verdict = ("yes" if ratio >= 0.95 else f"no ({ratio:.2f}x)") if name == "rule" else ""
                 print(f"| {model} | {data} | {load} | {backend} | {shown} | {cell} | {r['samples_per_sec']:,.0f} | "
                       f"{r['step_time_ms']:.3f} | {r['samples_per_sec'] / best:.2f}x | {verdict} |")
@@ -322,10 +321,9 @@ def main() -> None:
     print(f"software  Python {platform.python_version()}, torch {torch.__version__}, "
           f"onnxruntime {ort.load().__version__}")
     print(f"measured  {when}, commit {commit()}")
-    budgets = {r["params"].get("cpu.threads", "?") + " + " + r["params"].get("cpu.loader_processes", "?")
-               for table in tables.values() for r in table.values()}
-    print(f"{args.repeats} interleaved repeats, medians; every backend on the CPU budget rule (orchestrate/cpu.py): "
-          f"threads + loader processes {', '.join(sorted(budgets))} of {cpu.cores()[0]} cores")
+    budgets = {cpu.shown(r["params"]) for table in tables.values() for r in table.values()}
+    print(f"{args.repeats} interleaved repeats, medians; every backend on the CPU budget rule (orchestrate/cpu.py), "
+          f"threads + loader processes of cores: {', '.join(sorted(budgets))}")
     print("| model | steps | backend | samples/s | vs torch | step ms | compile s | s to eval loss <= level | "
           "final train loss | eval loss | target (a goal, not a result) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")

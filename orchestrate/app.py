@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, errors, plots, process, schema, stack
 from orchestrate.boundary import RUN, Where, boundary
+from orchestrate.cpu import Budget
 from orchestrate.job import Job
 from orchestrate.meter import world_sizes
 from orchestrate.redact import redact_text
@@ -176,12 +177,12 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
             tracker.log_artifact(png)
     result = Result(run_id=tracker.run_id, experiment_id=tracker.experiment_id, metrics=metrics,
                     out_dir=job.out_dir, history=job.meter.history)
-    job.cpu = job.cpu or budget  # the runner's driver: its workers' budget
-    print_summary(cfg, job, result, in_sweep=run_choice.handed_over is not None)
+    print_summary(cfg, job, result, in_sweep=run_choice.handed_over is not None,
+                  budget=job.cpu or budget)  # the loop's (auto: the chosen one's); the runner's driver: a worker's
     return result
 
 
-def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> None:
+def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool, budget: Budget | None = None) -> None:
     m = result.metrics
     total, ran, seconds = cfg.trainer.max_steps, int(m.get("steps_run", cfg.trainer.max_steps)), m.get("wall_time_s", 0)
     if "pruned_at" in m:
@@ -195,8 +196,8 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool) -> 
     tf32 = f" (TF32 matrix products: trainer.tf32={str(t.tf32).lower()})" if t.device.value == "cuda" \
         and t.precision.value == "fp32" else ""
     lines.append(f"  {'precision':<18} {t.precision.value}{tf32}")
-    if job.cpu is not None:  # threads + loader processes of the cores (orchestrate.cpu)
-        lines.append(f"  {'CPU budget':<18} {job.cpu}{' per worker' if job.backend.distributed else ''}")
+    if budget is not None:  # threads + loader processes of the cores (orchestrate.cpu.Budget)
+        lines.append(f"  {'CPU budget':<18} {budget}{' per worker' if job.backend.distributed else ''}")
     sizes = world_sizes(job.meter.history)
     if len(sizes) > 1:  # an elastic run (trainer.min_workers) that grew or shrank: its resized_at_* tags say where
         lines.append(f"  {'workers':<18} {' -> '.join(map(str, sizes))} (of {t.min_workers} to {t.num_workers})")

@@ -37,6 +37,7 @@ import math
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +58,9 @@ class Budget:
 
     @property
     def cell(self) -> str:
-        """Short, for a table's cell: "1 + 1 of 2" (threads + loader processes of cores), with
-        the user's settings that decided a part."""
+        """Short, for a table's cell: `shown`'s, with the user's settings that decided a part."""
         chosen = f" (set: {', '.join(self.chosen)})" if self.chosen else ""
-        return f"{self.threads or 'default'} + {self.loader_processes} of {self.cores}{chosen}"
+        return shown(self.params) + chosen
 
     def __str__(self) -> str:
         """e.g. "1 thread + 1 loader process of 2 cores (this machine's)"."""
@@ -81,15 +81,26 @@ class Budget:
             torch.set_num_threads(self.threads)
 
 
+def shown(params: dict[str, str]) -> str:
+    """A budget from its params (`Budget.params`, a run's cpu.* params): "1 + 1 of 2" (threads +
+    loader processes of cores; "default" threads: the library's); "" for a run without them."""
+    if "cpu.cores" not in params:
+        return ""
+    threads = "default" if params["cpu.threads"] == "library default" else params["cpu.threads"]
+    return f"{threads} + {params['cpu.loader_processes']} of {params['cpu.cores']}"
+
+
 def split(cores: int, source: str, reads_ahead: bool, threads: int | None = None,
           loader_processes: int | None = None, busy: int = 0) -> Budget:
     """The rule (see the module): `reads_ahead` when the data has a loader; `threads` and
     `loader_processes` are the user's settings (None: the rule decides); `busy` how many of the
     `cores` other processes keep busy (`budget`: from `busy_elsewhere`)."""
     chosen = []
-    if loader_processes is None:
-        loader_processes = max(1, cores // 4) if reads_ahead and cores >= 2 else 0
-    elif reads_ahead:
+    if not reads_ahead:
+        loader_processes = 0
+    elif loader_processes is None:
+        loader_processes = max(1, cores // 4) if cores >= 2 else 0
+    else:
         chosen.append(f"data.num_workers={loader_processes}")
     if threads is None:
         threads = max(1, cores - busy - loader_processes)
@@ -97,7 +108,7 @@ def split(cores: int, source: str, reads_ahead: bool, threads: int | None = None
             source += f"; {busy} core{'s' if busy > 1 else ''} busy with other processes"
     else:
         chosen.append(f"backend.intra_op_threads={threads}")
-    return Budget(cores, source, threads, loader_processes if reads_ahead else 0, tuple(chosen))
+    return Budget(cores, source, threads, loader_processes, tuple(chosen))
 
 
 def os_cores() -> int:
@@ -182,13 +193,17 @@ def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return max(1, math.floor(int(quota) / int(period)))
 
 
-def budget(backend, data, given: float | None = None, busy: float = 0.0) -> Budget:
+def budget(backend, data, given: float | None = None, busy: Callable[[], float] = lambda: 0.0) -> Budget:
     """The budget of a run of `backend` on `data` (built objects): the cores this process may use
-    (`given`: what the runner gave an in-driver worker), `busy` of them kept busy by other
-    processes (`busy_elsewhere`), split by the rule, the user's `backend.intra_op_threads` and
-    `data.num_workers` winning."""
+    (`given`: what the runner gave an in-driver worker), split by the rule, the user's
+    `backend.intra_op_threads` and `data.num_workers` winning. `busy()` measures how many cores
+    other processes keep busy (`busy_elsewhere`, a tenth of a second): asked only when the answer
+    can change the threads (not for a user's thread count, nor where the rule leaves one thread)."""
     count, source = cores(given)
-    free = max(0, os_cores() - round(busy))  # of the affinity mask's cores, those no other process keeps busy
-    return split(count, source, reads_ahead=hasattr(data, "num_workers"),
-                 threads=getattr(backend, "intra_op_threads", None),
-                 loader_processes=getattr(data, "num_workers", None), busy=max(0, count - free))
+    reads_ahead = hasattr(data, "use_processes")  # a loader's data (MapData)
+    threads, loader = getattr(backend, "intra_op_threads", None), getattr(data, "num_workers", None)
+    taken = 0
+    if threads is None and split(count, source, reads_ahead, loader_processes=loader).threads > 1:
+        free = max(0, os_cores() - round(busy()))  # of the affinity mask's cores, those no other process keeps busy
+        taken = max(0, count - free)
+    return split(count, source, reads_ahead, threads=threads, loader_processes=loader, busy=taken)

@@ -301,10 +301,11 @@ class Job:
 
     def busy_cores(self) -> float:
         """How many cores other processes keep busy (orchestrate.cpu.busy_elsewhere): measured
-        once per job (a tenth of a second), or as the caller measured it (`Parallel.busy`:
-        backend=auto's probes share the run's), so that the run's params and its loop agree."""
+        once per job, when a budget first needs it (a tenth of a second), or as the caller measures
+        it (`Parallel.busy`: backend=auto's probes share the run's), so that the run's params and
+        its loop agree."""
         if self.busy is None:
-            self.busy = self.parallel.busy if self.parallel.busy is not None else cpu.busy_elsewhere()
+            self.busy = (self.parallel.busy or cpu.busy_elsewhere)()
         return self.busy
 
     def use_cores(self, backend) -> Budget:

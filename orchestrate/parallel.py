@@ -21,7 +21,9 @@ class Parallel:
     logging = True  # this process logs, evaluates and checkpoints (rank 0)
     average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
     cores: float | None = None  # the CPUs this process's loop may use; None: what it finds (orchestrate.cpu.cores)
-    busy: float | None = None  # the cores other processes keep busy, as the caller measured; None: measured by the job
+    # How the job learns the cores other processes keep busy (orchestrate.cpu.busy_elsewhere); None:
+    # it measures them itself, once (Job.busy_cores). backend=auto's probes share the run's.
+    busy: Callable[[], float] | None = None
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the loop trains it (DDP across workers)."""

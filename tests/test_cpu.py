@@ -144,7 +144,7 @@ def test_every_backend_splits_this_machines_cores_by_the_rule(backend, make_cfg)
     assert budget.cores == cores
     assert budget.threads >= 1 and budget.threads + budget.loader_processes <= budget.cores
     assert budget.loader_processes == (max(1, cores // 4) if cores >= 2 else 0)
-    taken = max(0, cores - max(0, len(os.sched_getaffinity(0)) - round(job.busy)))  # busy elsewhere, if any
+    taken = max(0, cores - max(0, len(os.sched_getaffinity(0)) - round(job.busy or 0)))  # busy elsewhere, if measured
     assert budget.threads == max(1, cores - taken - budget.loader_processes)
 
 
@@ -161,7 +161,7 @@ def test_the_loop_runs_with_its_budgets_threads_and_loader_processes(backend, ma
         job.backend.fit(job)
     job.close_data()
     cores = len(os.sched_getaffinity(0))
-    budget = cpu.split(cores, "", reads_ahead=True, busy=max(0, cores - max(0, cores - round(job.busy))))
+    budget = cpu.split(cores, "", reads_ahead=True, busy=max(0, cores - max(0, cores - round(job.busy or 0))))
     assert (job.cpu.threads, job.cpu.loader_processes) == (budget.threads, budget.loader_processes)
     assert set(seen) == {(budget.threads, budget.loader_processes)}
     assert torch.get_num_threads() == before

@@ -41,7 +41,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
@@ -73,7 +73,6 @@ class AutoBackend(Backend):
     reference: str  # the backend whose probe loss the others are compared with (the eager baseline)
     candidates: Optional[list[str]]  # None: every single-process backend found; a list: only these
     chooses = True
-    probe_cores = None  # the CPUs a probe may use; None: what the process finds (the runner's: one worker's)
     # resumable stays False: the checkpoints are the chosen backend's, and a resumed run would have
     # to choose that one again without probing. Job.prepare refuses trainer.resume, naming those
     # that can.
@@ -129,18 +128,19 @@ class AutoBackend(Backend):
                                   f"{', '.join(found)}")
         return {name: found[name] for name in dict.fromkeys(self.candidates)}
 
-    def check_candidates(self, job, found: dict[str, DictConfig], what: str) -> None:
+    def check_candidates(self, job, found: dict[str, DictConfig], what: str, cores: float | None = None) -> None:
         """Before any run opens: ConfigError when every candidate refuses the config (each is
-        built as its probe builds it). The RNG is left as it was: each build seeds it."""
+        built as its probe builds it, on `cores` CPUs: None, what the process finds; the runner's,
+        one worker's). The RNG is left as it was: each build seeds it."""
         with rng_kept():
             for name, node in found.items():
                 cfg = self.probe_config(job.cfg, node)
-                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg, self.probe_cores, job.busy_cores()))
+                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg, cores, job.busy_cores))
         reasons = {name: self._checked[name][1] if isinstance(self._checked[name][1], str) else None for name in found}
         if all(reasons.values()):
             raise none_takes(what, reasons)
 
-    def choose(self, job, found: dict[str, DictConfig], what: str, tag: str) -> str:
+    def choose(self, job, found: dict[str, DictConfig], what: str, tag: str, cores: float | None = None) -> str:
         """Probe every candidate on `job`'s config, pick the shortest run that agrees, print the table,
         keep it with the run (`auto_probe.md`) and tag the run (`tag` = the choice, `auto` =
         true); returns the chosen name. The RNG is put back as it was: the run trains as if no
@@ -163,8 +163,7 @@ class AutoBackend(Backend):
                 cfg = self.probe_config(job.cfg, found[name])
                 checked, checked_job = self._checked.pop(name, (None, None))
                 probes.append(probe(name, cfg, cheapest, after_warmup,
-                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None, self.probe_cores,
-                                    job.busy_cores()))
+                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None, cores, job.busy_cores))
         choice = judge(probes, self.reference, self.tolerance, what, after_warmup)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
@@ -248,7 +247,7 @@ class Aside(Parallel):
 
     logging = False
 
-    def __init__(self, cores: float | None = None, busy: float | None = None):
+    def __init__(self, cores: float | None = None, busy: Callable[[], float] | None = None):
         # The probe's CPUs (orchestrate.cpu; None: what the process finds), and the cores other
         # processes keep busy as the run measured them: every probe runs on the run's budget.
         self.cores, self.busy = cores, busy
@@ -270,7 +269,7 @@ def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_ste
     return probe
 
 
-def checked_probe(cfg: DictConfig, cores: float | None = None, busy: float | None = None) -> Job | str:
+def checked_probe(cfg: DictConfig, cores: float | None = None, busy: Callable[[], float] | None = None) -> Job | str:
     """The probe config's job, built and checked as its probe runs it (on `cores` CPUs: Aside),
     or why its backend refuses it (its ConfigError's line)."""
     try:
@@ -280,7 +279,8 @@ def checked_probe(cfg: DictConfig, cores: float | None = None, busy: float | Non
 
 
 def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0,
-          checked: Job | str | None = None, cores: float | None = None, busy: float | None = None) -> Probe:
+          checked: Job | str | None = None, cores: float | None = None,
+          busy: Callable[[], float] | None = None) -> Probe:
     """Train the probe config `cfg` aside and measure it; stopped early once its run (warm-up and
     `after_warmup` steps) costs more than `cheapest`'s (the cheapest probe that finished before
     it). `checked`: `checked_probe`'s answer for `cfg`, taken over instead of building the job
@@ -296,7 +296,6 @@ def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmu
         except ConfigError as e:
             result.verdict = f"refused: {e}"
             return result
-        result.budget = job.backend.budget(job).cell
         watch = Stopwatch(job.trainer, cheapest, after_warmup)
         job.meter.on_display = watch
         try:
@@ -311,6 +310,8 @@ def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmu
             log.warning(f"backend=auto: the probe of {name} failed", exc_info=True)  # the job log has the traceback
             result.verdict = f"failed: {errors.one_line(e)}"
             return result
+        finally:
+            result.budget = job.cpu.cell if job.cpu is not None else ""  # what its loop took (Job.use_cores)
     summary = job.meter.summary()
     result.samples_per_sec = summary.get("samples_per_sec", math.nan)
     result.step_time_ms = summary.get("step_time_ms", math.nan)

@@ -74,7 +74,7 @@ class Backend(ABC):
         the run logs as params and its summary shows. The runner's is one worker's."""
         from orchestrate import cpu
 
-        return cpu.budget(self, job.data, given=job.parallel.cores, busy=job.busy_cores())
+        return cpu.budget(self, job.data, given=job.parallel.cores, busy=job.busy_cores)
 
     def connect(self, job) -> contextlib.AbstractContextManager:
         """Hold what the run needs outside this process for as long as the run lasts (the runner:

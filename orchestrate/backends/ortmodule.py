@@ -181,8 +181,9 @@ TORCH_CEILING = (2, 6)
 
 def check_torch(version: str) -> None:
     """Refuse a torch newer than ORTModule's ceiling before any run opens, naming what works."""
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    if release > TORCH_CEILING:
+    from packaging.version import Version
+
+    if Version(version).release[:2] > TORCH_CEILING:
         raise ConfigError(f"backend=ortmodule needs torch {'.'.join(map(str, TORCH_CEILING))} at most (ORT 1.19.2's "
                           f"ORTModule builds its C++ extensions against it), and this environment has torch {version}: "
                           f"install torch=={'.'.join(map(str, TORCH_CEILING))}.0 (the stack constraints.txt pins, on "

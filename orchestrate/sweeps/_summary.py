@@ -12,6 +12,8 @@ fastest, instead of naming a winner by noise."""
 
 from dataclasses import dataclass, field
 
+from orchestrate import cpu
+
 DONE = ("FINISHED", "SKIPPED")
 
 
@@ -32,12 +34,8 @@ class Row:
 
     @property
     def cpu(self) -> str:
-        """The CPU budget (orchestrate.cpu), "threads + loader processes of cores", from its params."""
-        p = self.params
-        if "cpu.cores" not in p:
-            return ""
-        threads = "default" if p["cpu.threads"] == "library default" else p["cpu.threads"]
-        return f"{threads} + {p['cpu.loader_processes']} of {p['cpu.cores']}"
+        """The CPU budget it trained with, "threads + loader processes of cores" (orchestrate.cpu.shown)."""
+        return cpu.shown(self.params)
 
     @property
     def wall_time_s(self) -> float | None:

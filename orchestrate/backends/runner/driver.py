@@ -150,15 +150,13 @@ class RunnerBackend(Backend):
         the engine's backend.intra_op_threads winning."""
         from orchestrate import cpu
 
-        return cpu.budget(self.engine_backend(), job.data, given=self.cpus_per_worker, busy=job.busy_cores())
+        return cpu.budget(self.engine_backend(), job.data, given=self.cpus_per_worker, busy=job.busy_cores)
 
     def engine_backend(self) -> Backend:
         """The engine, built from its config as each worker builds it; once per runner: `check`
         and `fit` share it (backend.engine=auto: the candidates it checked are those it probes)."""
         if self.__dict__.get("_engine") is None:
             self._engine = schema.build(self.engine_node(), "backend.engine")
-            if self._engine.chooses:  # backend.engine=auto probes each engine on one worker's CPUs
-                self._engine.probe_cores = self.cpus_per_worker
         return self._engine
 
     def engine_candidates(self, auto) -> dict[str, DictConfig]:
@@ -182,7 +180,8 @@ class RunnerBackend(Backend):
                 raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue a run (its "
                                   "probes may choose another engine than the run's); name the engine the run used (its "
                                   f"`engine` tag), one of: {', '.join(engines('resumable'))}")
-            engine.check_candidates(job, self.engine_candidates(engine), f"backend.engine={self.engine}")
+            engine.check_candidates(job, self.engine_candidates(engine), f"backend.engine={self.engine}",
+                                    cores=self.cpus_per_worker)  # each probed on one worker's CPUs
         elif not engine.data_parallel:
             raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
                               f"workers; allowed: {', '.join(engines() + backends('chooses'))}")
@@ -300,7 +299,8 @@ class RunnerBackend(Backend):
         if engine.chooses:
             # backend.engine=auto: each engine is probed here, in one process, before any worker
             # starts; the run then goes on as if the chosen engine had been named.
-            chosen = engine.choose(job, self.engine_candidates(engine), f"backend.engine={self.engine}", tag="engine")
+            chosen = engine.choose(job, self.engine_candidates(engine), f"backend.engine={self.engine}", tag="engine",
+                                   cores=self.cpus_per_worker)
             job.backend = dataclasses.replace(self, engine=chosen)
             job.backend.fit(job)
             return
