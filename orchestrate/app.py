@@ -60,6 +60,16 @@ def backend_head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
     return backend.head_start(cfg)
 
 
+def unavailable(cfg: DictConfig) -> str | None:
+    """Why this environment cannot train `cfg`'s backend (a package it lacks: `Backend.unavailable`),
+    or None; a backend config that does not build is left to the check, which says why."""
+    try:
+        backend = schema.build(cfg.backend, "backend")
+    except schema.ConfigError:
+        return None
+    return backend.unavailable()
+
+
 @dataclass
 class Checked:
     """What the checks of many configs (a sweep's trials) share."""

@@ -44,19 +44,25 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
              trial: str = "", compose: Composer | None = None, checked: app.Checked | None = None,
-             own_run: bool = False) -> tuple[DictConfig, app.Job] | None:
+             own_run: bool = False, unavailable: dict[str, list[str]] | None = None) -> tuple[DictConfig, app.Job] | None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
     of a sweep); a sweep's trials share a `compose` (Composer) and what `checked` keeps.
     `own_run`: the run's own command, whose backend may begin what it needs meanwhile; its
-    config and checked job are returned, for the run to take over (`app.handing_over`)."""
+    config and checked job are returned, for the run to take over (`app.handing_over`).
+    `unavailable` (a sweep's): a trial whose backend this environment lacks is kept there, under
+    the line that says what it lacks, instead of refused, so that the other trials are checked too."""
     with boundary(Where(CHECK, trial=trial, overrides=overrides, source=source)):
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
         with contextlib.redirect_stderr(io.StringIO()):
             # One run: composed once, as Hydra will; a sweep's trials: through its Composer.
             cfg = compose(overrides) if compose else load_config([*hydra_overrides, *overrides], source)
+            why = app.unavailable(cfg) if unavailable is not None else None
+            if why:
+                unavailable.setdefault(why, []).append(trial.rstrip(": "))
+                return None
             with app.backend_head_start(cfg) if own_run else contextlib.nullcontext(), searching(source):
                 job = app.check(cfg, checked)
     # The run's own command: the run takes the job over instead of building it again.
@@ -80,11 +86,17 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
-    compose, checked = Composer(source, hydra_overrides), app.Checked()
+    compose, checked, unavailable = Composer(source, hydra_overrides), app.Checked(), {}
     with prestart.prestart(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
-                     trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked)
+                     trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked,
+                     unavailable=unavailable)
+        if unavailable:  # refused once the others are checked: the line says all that is missing
+            left = len(trials) - sum(map(len, unavailable.values()))
+            fail("; ".join(f"{', '.join(named)}: {why}" for why, named in unavailable.items()) +
+                 (f"; the sweep's other {left} trial(s) were checked and train here: drop the ones named"
+                  if left else ""))
     if OmegaConf.select(cfg, "hydra.launcher.dry_run", default=False) and not plan.is_grid(cfg):
         # A sampling sweeper (Optuna) picks each trial from the results before it: with nothing
         # run there is no next trial, only the space it would sample from, checked above.

@@ -7,14 +7,17 @@ command that fixes it; exit code 0 only when every check passes (1 otherwise, 2 
     orchestrate doctor tracking=server trainer.device=cuda   # Hydra overrides: the config that is checked
 
 The checks, in order:
-- Python and every dependency against the tested stack: orchestrate's own pins (pyproject.toml in
-  a checkout, the installed package's metadata otherwise), so there is one table, not two;
-- the ONNX Runtime build: CPU or GPU package, its execution providers, and for a GPU build whether
-  its CUDA matches torch's and the driver's;
-- ORTModule's C++ extensions: built (the check ORTModule itself makes) and loadable by this torch;
+- Python and every dependency against what orchestrate declares (pyproject.toml in a checkout,
+  the installed package's metadata otherwise), so there is one table, not two; where ORT's training
+  build is installed, the `ort` extra's pins too;
+- which backends train here: those whose packages are missing (an extra: orchestrate.extras) are
+  named with the line that installs them, a note, not a failure (the base install is whole);
+- where ORT is installed: its build (CPU or GPU package, its execution providers, and for a GPU
+  build whether its CUDA matches torch's and the driver's), and ORTModule's C++ extensions: built
+  (the check ORTModule itself makes) and loadable by this torch;
 - the tracking URI answers; the Ray cluster answers (when an address is set), with its resources;
-- a smoke run per backend (every conf/backend/*.yaml): a few steps of `data=synthetic trainer=quick`
-  through `orchestrate.app.train`, tracked in a temporary SQLite store.
+- a smoke run per backend that trains here (every conf/backend/*.yaml): a few steps of
+  `data=synthetic trainer=quick` through `orchestrate.app.train`, tracked in a temporary SQLite store.
 """
 
 import argparse
@@ -36,6 +39,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+
+from orchestrate import extras
 
 EXTENSIONS_INSTALL = "python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install"
 # Both packages install the one `onnxruntime` module (training included); the inference-only
@@ -59,18 +64,24 @@ class Report:
 
 # ---- the tested stack --------------------------------------------------------------------------
 
-def tested_stack() -> tuple[str, list[Requirement]]:
-    """(requires-python, the dependencies) as orchestrate declares them: the checkout's
-    pyproject.toml when this code runs from one (an editable install's metadata is only as new as
-    its last `pip install -e .`), else the installed distribution's metadata. Extras are left out."""
+def tested_stack(extra: str = "") -> tuple[str, list[Requirement]]:
+    """(requires-python, the dependencies) as orchestrate declares them, the base install's or
+    `extra`'s: the checkout's pyproject.toml when this code runs from one (an editable install's
+    metadata is only as new as its last `pip install -e .`), else the installed distribution's
+    metadata. Requirements whose markers leave them out of this environment are left out."""
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    if pyproject.is_file():
-        project = tomllib.loads(pyproject.read_text()).get("project", {})
-        if project.get("name") == "orchestrate":
-            return project["requires-python"], [Requirement(r) for r in project["dependencies"]]
+    if pyproject.is_file() and tomllib.loads(pyproject.read_text()).get("project", {}).get("name") == "orchestrate":
+        project = tomllib.loads(pyproject.read_text())["project"]
+        python = project["requires-python"]
+        listed = project["optional-dependencies"][extra] if extra else project["dependencies"]
+        requirements = [Requirement(r) for r in listed]
+        return python, [r for r in requirements if r.marker is None or r.marker.evaluate()]
     python = importlib.metadata.metadata("orchestrate")["Requires-Python"]
     requirements = [Requirement(r) for r in importlib.metadata.requires("orchestrate") or []]
-    return python, [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
+    if not extra:
+        return python, [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return python, [r for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})
+                    and not r.marker.evaluate({"extra": ""})]
 
 
 def installed(name: str) -> str | None:
@@ -95,8 +106,7 @@ def check_python(requires: str) -> tuple[bool, str]:
     version = platform.python_version()
     if version in SpecifierSet(requires):
         return True, f"python {version}"
-    return False, (f"python {version} (tested: {requires}; onnxruntime-training 1.19.2 has no wheel for newer) "
-                   "-> make setup PYTHON=python3.11")
+    return False, f"python {version} (orchestrate installs on {requires}) -> make setup PYTHON=python3.11"
 
 
 def check_requirement(req: Requirement) -> tuple[bool, str]:
@@ -302,8 +312,9 @@ def check_ray(address: str | None, key: str, timeout_s: float) -> tuple[bool, st
 
 def needs_extensions(cfg) -> bool:
     """Whether the backend runs ORTModule (itself, or as the runner's `backend.engine`), or may
-    (backend=auto probes it)."""
-    return not {"ortmodule", "auto"}.isdisjoint({cfg.backend.get("name"), cfg.backend.get("engine")})
+    (backend=auto probes it where ORT is installed)."""
+    return extras.ORT.present() and not {"ortmodule", "auto"}.isdisjoint({cfg.backend.get("name"),
+                                                                          cfg.backend.get("engine")})
 
 
 def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -> tuple[bool, str]:
@@ -337,6 +348,27 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
                   f"{m.get('wall_time_s', 0):.1f} s training, {time.perf_counter() - began:.1f} s in all")
 
 
+def backends_here(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The backends (conf/backend names) this environment trains with, and why each other one
+    does not (its `unavailable` line: the extra that would bring it). A runner whose default
+    engine is missing trains here with another: it is here, and its smoke run names one."""
+    from orchestrate import schema
+    from orchestrate.backends.base import backend_config
+    from orchestrate.config import group_options
+
+    here, missing = [], {}
+    for name in group_options("backend"):
+        why = schema.build(backend_config(name), "backend").unavailable()
+        if why and why.startswith("backend.engine="):  # the runner: here, with the engines it names
+            here.append(name)
+            missing[name] = why
+        elif why:
+            missing[name] = why
+        else:
+            here.append(name)
+    return here, missing
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
@@ -362,15 +394,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 # Where ORT training stands upstream, said once beside the ORT checks (docs/configuration.md, "Backend notes").
-UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-09) is its last release, for Python "
-            "up to 3.11; ORTModule is deprecated there (microsoft/onnxruntime #24905), the on-device training API and "
-            "onnxblock remain; backend=compile (torch.compile) is PyTorch's own alternative, measured beside them")
+UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-09) is its last release (the CPU "
+            "build for Python 3.11 and 3.12, the GPU build for 3.11); ORTModule is deprecated there "
+            "(microsoft/onnxruntime #24905), the on-device training API and onnxblock remain; backend=compile "
+            "(torch.compile) is PyTorch's own alternative, measured beside them")
 
 
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
     from orchestrate.boundary import COMPOSITION_ERRORS, explain
-    from orchestrate.config import group_options, load_config
+    from orchestrate.config import load_config
 
     try:
         cfg = load_config(overrides)
@@ -383,11 +416,21 @@ def main(argv: list[str]) -> int:
     try:
         requires_python, requirements = tested_stack()
         report(*check_python(requires_python))
+        ort = extras.ORT.present()
+        if ort:  # the `ort` extra's pins in place of the base install's ranges (onnx: the release ORT reads)
+            pinned = tested_stack("ort")[1]
+            requirements = [r for r in requirements if r.name not in {p.name for p in pinned}] + pinned
         for req in requirements:
             report(*check_requirement(req))
-        report(*check_ort_build(scratch))
-        print(f"note  {UPSTREAM}", flush=True)
-        extensions_ok = report(*check_extensions(scratch))
+        extensions_ok = False
+        if ort:
+            report(*check_ort_build(scratch))
+            print(f"note  {UPSTREAM}", flush=True)
+            extensions_ok = report(*check_extensions(scratch))
+        here, missing = backends_here(overrides)
+        print(f"note  backends that train here: {', '.join(here)}", flush=True)
+        for why in dict.fromkeys(missing.values()):
+            print(f"note  not here: {why}", flush=True)
         uri, source = (args.tracking_uri, "--tracking-uri") if args.tracking_uri else (cfg.tracking.uri, "tracking.uri")
         report(*check_tracking(uri, source, args.timeout))
         address, key = ((args.ray_address, "--ray-address") if args.ray_address
@@ -397,8 +440,9 @@ def main(argv: list[str]) -> int:
             print("(smoke runs skipped: --no-smoke)", flush=True)
         else:
             user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "backend"]  # each backend in turn
-            for name in group_options("backend"):
-                keep_scratch |= not report(*smoke(name, user, scratch, extensions_ok))
+            for name in here:
+                engine = ["backend.engine=torch"] if name in missing else []  # its default engine is not here
+                keep_scratch |= not report(*smoke(name, [*user, *engine], scratch, extensions_ok))
     finally:
         if not keep_scratch:  # a failed smoke run's output stays for the user to read
             shutil.rmtree(scratch, ignore_errors=True)

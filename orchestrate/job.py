@@ -235,6 +235,9 @@ class Job:
         their job with this alone: the driver checked the config."""
         ort.load()  # before anything imports it: what its import prints goes to the log
         backend = schema.build(cfg.backend, "backend")
+        why = backend.unavailable()  # a package this environment lacks: one line, before anything is built
+        if why:
+            raise schema.ConfigError(why)
         data = build_data(cfg.data)
         rng_after_build = None
         if model is None:

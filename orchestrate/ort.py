@@ -173,7 +173,8 @@ _C_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": l
 
 
 def load():
-    """onnxruntime, imported once with what its import prints sent to the log file only:
+    """onnxruntime (None where it is not installed: ORT is an extra, orchestrate.extras), imported
+    once with what its import prints sent to the log file only:
     onnxruntime-training imports torch's C++ extension helpers, which print "No CUDA runtime is
     found" to stderr on a machine with a CUDA toolkit and no GPU (every run's console, every sweep
     trial's and every runner worker's, otherwise). The run's backend is not known yet when a job
@@ -181,6 +182,8 @@ def load():
     (ERROR) up. On the runner's workers Ray Train's print() goes to logging as it is called:
     those records are this thread's meanwhile, and kept off the console too."""
     if "onnxruntime" not in sys.modules:
+        if importlib.util.find_spec("onnxruntime") is None:
+            return None
         with off_console(), stderr_logged(console_from="ERROR"):  # ORT's import adds a console handler
             importlib.import_module("onnxruntime")
     return sys.modules["onnxruntime"]

@@ -16,7 +16,7 @@ from hydra.errors import InstantiationException
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from orchestrate import errors
+from orchestrate import errors, extras
 
 
 class ConfigError(ValueError):
@@ -284,6 +284,10 @@ def target_of(node: DictConfig, key: str) -> Any:
     try:
         return hydra.utils.get_object(node._target_)
     except Exception as e:
+        missing = getattr(e.__cause__ or e, "name", None)  # a module that is not installed
+        extra = extras.for_module(missing.split(".")[0]) if isinstance(missing, str) else None
+        if extra is not None and not extra.present():
+            raise ConfigError(extra.missing(f"{key}._target_={node._target_}")) from None
         reason = str(e).splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}._target_={node._target_}: cannot import it ({reason})") from None
 

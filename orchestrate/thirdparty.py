@@ -11,6 +11,7 @@ Every library is imported inside the function that needs it: importing this modu
 """
 
 import contextlib
+import importlib.util
 import logging
 import sys
 import types
@@ -82,6 +83,8 @@ INTERNALS = _listed({
     # MLflow: an empty store's tables made once and copied, its stores' URI schemes
     "mlflow_initialize_tables": ("mlflow.store.db.utils:_initialize_tables",),
     "mlflow_store_schemes": ("mlflow.tracking._tracking_service.utils:_tracking_store_registry._registry",),
+    # MLflow's ONNX flavor imports onnxruntime to check session options none are given (onnx_flavor_without_runtime)
+    "onnx_flavor_without_runtime": ("mlflow.onnx:_validate_onnx_session_options",),
     # submitit's one watcher of Slurm's queue, for all its jobs (submitit_slurm_watcher)
     "submitit_slurm_watcher": ("submitit.slurm.slurm:SlurmJob.watcher",),
     "submitit_watch_delay_s": ("submitit.core.core:InfoWatcher._delay_s*",),
@@ -331,6 +334,31 @@ def mlflow_initialize_tables(engine) -> None:
     from mlflow.store.db.utils import _initialize_tables
 
     _initialize_tables(engine)
+
+
+@contextlib.contextmanager
+def onnx_flavor_without_runtime() -> Iterator[None]:
+    """While the block runs, `mlflow.onnx.save_model` saves a model where no ONNX Runtime is
+    installed (the base install: ORT is an extra, and the training build and the `onnxruntime`
+    package cannot share an environment). It imports onnxruntime only to check the session
+    options (`onnx_session_options`), which orchestrate never passes; serving the model needs a
+    runtime, which the model's requirements name (MLflow's warning that this environment lacks
+    it is left out meanwhile: it would print on every run's console)."""
+    import mlflow.onnx
+
+    if importlib.util.find_spec("onnxruntime") is not None:
+        yield
+        return
+    check = mlflow.onnx._validate_onnx_session_options
+    mlflow.onnx._validate_onnx_session_options = lambda options: None
+    mismatches = logging.getLogger("mlflow.utils.requirements_utils")
+    level = mismatches.level
+    mismatches.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        mlflow.onnx._validate_onnx_session_options = check
+        mismatches.setLevel(level)
 
 
 def mlflow_store_schemes() -> set[str]:

@@ -9,9 +9,14 @@ shown in this process or on the session's Ray and MLflow server; `pytest --runsl
 `pytest --runslow --runlong` (`make test-long`) adds the tests marked `long`: the other cases of
 a family CI runs a representative of (another backend, signal or launcher through the same code,
 a README command whose feature a test of its own shows), each naming the test that stands for
-it in CI. An explicit `-m` expression chooses for itself."""
+it in CI. An explicit `-m` expression chooses for itself.
+
+Tests marked `ort` need ORT's training build (the `ort` extra): in an environment without it (the
+current stack, `make test STACK=current`) they are left out, and the run's summary says how many
+and why."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +28,7 @@ import pytest
 from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 
+from orchestrate import extras
 from orchestrate.config import load_config
 from orchestrate.sweeps._server import TrackingServer
 
@@ -37,16 +43,74 @@ def pytest_addoption(parser):
                      help="also run the tests marked slow and long: every case (make test-long)")
 
 
+WITHOUT_ORT = pytest.StashKey[int]()  # how many tests marked `ort` this environment left out
+
+
+# A test whose id names an ORT backend or one of ORT's settings needs ORT: marked `ort` here, as if by hand.
+ORT_WORDS = re.compile(r"ondevice|ortmodule|ORTMODULE|onnxruntime|log_level|allow_spinning|fp16_optimizer")
+
+
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("-m"):
-        return
-    runlong = config.getoption("--runlong")
-    left_out = [name for name, run in (("slow", runlong or config.getoption("--runslow")), ("long", runlong)) if not run]
+    for item in items:
+        if ORT_WORDS.search(item.nodeid):
+            item.add_marker(pytest.mark.ort)
+    left_out = [] if extras.ORT.present() else ["ort"]
+    config.stash[WITHOUT_ORT] = sum(1 for item in items if item.get_closest_marker("ort")) if left_out else 0
+    if not config.getoption("-m"):
+        runlong = config.getoption("--runlong")
+        left_out += [name for name, run in (("slow", runlong or config.getoption("--runslow")), ("long", runlong))
+                     if not run]
     dropped = [item for item in items if any(item.get_closest_marker(name) for name in left_out)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         gone = {id(item) for item in dropped}
         items[:] = [item for item in items if id(item) not in gone]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.stash.get(WITHOUT_ORT, 0):
+        terminalreporter.write_line(f"{config.stash[WITHOUT_ORT]} tests marked ort left out: they need ORT's training "
+                                    f"build, which this environment lacks ({extras.ORT.install}, Python 3.11 or 3.12)",
+                                    yellow=True)
+
+
+def ort_backends() -> set[str]:
+    """The conf/backend files that train through ORT (the runner: through its default engine)."""
+    from orchestrate import schema
+    from orchestrate.backends.base import backend_config
+
+    found = set()
+    for name in BACKENDS:
+        backend = schema.build(backend_config(name), "backend")
+        engine = backend.engine_backend() if getattr(backend, "distributed", False) else backend
+        if engine.extra is extras.ORT:
+            found.add(name)
+    return found
+
+
+ORT_BACKENDS = ort_backends()
+
+
+def backend_params(names) -> list:
+    """`names` (conf/backend names, or tuples whose first item is one) as pytest params, marked
+    `ort` where the backend trains through ORT."""
+    return [pytest.param(*(n if isinstance(n, tuple) else (n,)),
+                         marks=[pytest.mark.ort] if (n[0] if isinstance(n, tuple) else n) in ORT_BACKENDS else [])
+            for n in names]
+
+
+def here(words) -> list[str]:
+    """Overrides for a test that is not about a backend: as given where ORT is installed (the
+    shipped default, backend=ortmodule); else with backend=torch, and the runner's engine torch
+    (its default is ortmodule), unless the words choose."""
+    words = list(words)
+    if extras.ORT.present():
+        return words
+    if not any(w.lstrip("+").startswith("backend=") for w in words):
+        words.insert(0, "backend=torch")
+    if "backend=runner" in words and not any(w.startswith("backend.engine=") for w in words):
+        words.append("backend.engine=torch")
+    return words
 
 
 def long(stands_for: str):
@@ -144,7 +208,7 @@ def make_cfg(tmp_path):
 
     def make(*overrides: str, uri: str | None = None):
         base = ["data=synthetic", "trainer=quick", f"tracking.uri={uri or f'sqlite:///{tmp_path}/mlflow.db'}"]
-        return load_config([*base, *overrides])
+        return load_config(here([*base, *overrides]))
 
     return make
 

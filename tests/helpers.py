@@ -288,8 +288,9 @@ def exit_code(monkeypatch, *argv: str) -> int:
     import pytest
 
     from orchestrate.__main__ import main
+    from tests.conftest import here
 
-    monkeypatch.setattr(sys, "argv", ["orchestrate", *argv])
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *here(argv)])
     with pytest.raises(SystemExit) as exit_:
         main()
     return exit_.value.code

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from orchestrate.cli import main, validate
 from orchestrate.config import ORCHESTRATE
+from tests.conftest import here
 
 CASES = [
     # sweeps
@@ -108,7 +109,7 @@ CASES = [
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_input_is_refused_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", *argv])
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *here(argv)])
     start = time.monotonic()
     with pytest.raises(SystemExit) as exit_:
         main()

@@ -210,8 +210,11 @@ EXPECTED: dict[str, Expect] = {
     "orchestrate doctor": Expect(separate="tests/test_doctor.py::test_healthy_stack_passes_every_check_and_trains_every_backend"),
     "orchestrate doctor --no-smoke": Expect(extra=(), says=("checks: all OK", "smoke runs skipped"), runs=0),
     # ---- installing elsewhere
-    "pip install -c constraints.txt .": Expect(
+    "pip install .": Expect(
         skip="downloads the whole stack; the installed_wheel fixture makes this install without the dependencies"),
+    "pip install '.[ort]'": Expect(skip="the ORT stack's install below, without its pins"),
+    "pip install -c constraints.txt '.[ort,hf,server]'": Expect(
+        skip="downloads the whole stack; make setup installs it the same way (CI)"),
     "python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install": Expect(
         skip="make setup built them; building again takes minutes"),
     # ---- your own project

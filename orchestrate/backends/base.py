@@ -27,6 +27,13 @@ class Backend(ABC):
     # The least its first steps take beyond the steps themselves (a compilation), in seconds: a
     # run that another backend finishes sooner than that is not probed with it (backend=auto).
     warmup_floor_s = 0.0
+    extra = None  # the optional part of orchestrate it trains through (orchestrate.extras: ORT), if any
+
+    def unavailable(self, key: str = "backend") -> str | None:
+        """Why this environment cannot train with this backend, in one line naming the install that
+        would let it (a package it lacks: orchestrate.extras), or None. `key` names the choice in
+        that line (`backend`, the runner's `backend.engine`). Asked first when a job is built."""
+        return self.extra.missing(f"{key}={self.name}") if self.extra is not None else None
 
     def check(self, job) -> None:  # noqa: B027
         """Refuse impossible combinations (raise `orchestrate.schema.ConfigError`) before any compute."""

@@ -21,7 +21,7 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, losses, ort, process
+from orchestrate import checkpoints, extras, losses, ort, process
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import declare_shape, export_for_training
 from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, shown, target_of
@@ -158,6 +158,7 @@ class OnDeviceBackend(Backend):
     data_parallel = True
     averaging = True
     resumable = True
+    extra = extras.ORT
 
     def check(self, job) -> None:
         if job.data.loss not in losses.LOSSES:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from orchestrate import ort
+from orchestrate import extras, ort
 from orchestrate.backends.torch import TorchBackend, export_for_training
 from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
@@ -175,20 +175,21 @@ def ensure_extensions() -> None:
 
 # ORTModule's C++ extensions (onnxruntime-training 1.19.2, its last release) build against torch
 # 2.6 at most; with a newer torch they fail to compile on the first step. The on-device API has no
-# extension: it trains with torch 2.14 (measured on Python 3.12, docs/compatibility.md).
+# extension: it trains with the newest torch (docs/compatibility.md).
 TORCH_CEILING = (2, 6)
+CEILING = ".".join(map(str, TORCH_CEILING))
 
 
-def check_torch(version: str) -> None:
-    """Refuse a torch newer than ORTModule's ceiling before any run opens, naming what works."""
+def torch_too_new(version: str, key: str = "backend") -> str | None:
+    """Why ORTModule cannot run beside torch `version` (newer than its ceiling), or None."""
     from packaging.version import Version
 
-    if Version(version).release[:2] > TORCH_CEILING:
-        raise ConfigError(f"backend=ortmodule needs torch {'.'.join(map(str, TORCH_CEILING))} at most (ORT 1.19.2's "
-                          f"ORTModule builds its C++ extensions against it), and this environment has torch {version}: "
-                          f"install torch=={'.'.join(map(str, TORCH_CEILING))}.0 (the stack constraints.txt pins, on "
-                          "Python 3.11), or train with backend=ondevice (ORT's on-device API, which runs with this torch), "
-                          "backend=torch or backend=compile")
+    if Version(version).release[:2] <= TORCH_CEILING:
+        return None
+    return (f"{key}=ortmodule needs torch {CEILING} at most (ORT 1.19.2's ORTModule builds its C++ extensions "
+            f"against it), and this environment has torch {version}: pip install 'orchestrate[ort]' torch=={CEILING}.0 "
+            "(the ORT stack: constraints.txt, Python 3.11), or train with backend=ondevice (ORT's on-device API, which "
+            "runs with this torch), backend=torch or backend=compile")
 
 
 ORTMODULE_OPSET = 17  # onnxruntime-training 1.19.2's ORTModule exports at this opset (ORTMODULE_ONNX_OPSET_VERSION)
@@ -206,10 +207,13 @@ class ORTModuleBackend(TorchBackend):
     fp16_optimizer: bool  # wrap the optimizer with ORT's FP16_Optimizer (CUDA only)
     mapped_dimensions: dict[str, int]  # symbolic dimension -> size, for ORT's sessions
     precisions = ("fp32", "fp16")  # ORT's graph is exported in fp32; bf16 autocast is PyTorch's alone
+    extra = extras.ORT
+
+    def unavailable(self, key: str = "backend") -> str | None:
+        return self.extra.missing(f"{key}={self.name}", also=f"torch {CEILING}") or torch_too_new(torch.__version__, key)
 
     def check(self, job) -> None:
         super().check(job)
-        check_torch(torch.__version__)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         check_options(self.options)

@@ -8,6 +8,7 @@ whose evaluation is best by `sweep.metric` and `sweep.direction` (`models:/NAME@
 Logged through the run's client, so that the runner's rank 0 logs it as the driver would.
 """
 
+import importlib.metadata
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,35 @@ class Registration:
         return than is None or (value < than if self.minimize else value > than)
 
 
+def output_like(proto, sample: np.ndarray) -> np.ndarray:
+    """Zeros shaped and typed as the model's output for `sample` (its signature's output side),
+    read from the graph, whose shapes the exports declare (backends.torch.declare_shape): no
+    runtime is needed to log a model (ORT is an extra; the maintained `onnxruntime` serves it)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    tensor = proto.graph.output[0].type.tensor_type
+    return np.zeros((len(sample), *(d.dim_value for d in tensor.shape.dim[1:])), tensor_dtype_to_np_dtype(tensor.elem_type))
+
+
+def runtime_version() -> str | None:
+    """The installed ONNX Runtime's version (the training build or the inference package), unimported."""
+    for name in ("onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def providers() -> list[str]:
+    """Where the model is served: on CUDA first where this environment's ORT has it (MLflow's default
+    names CUDA first, and warns on every load where it is missing), else on the CPU."""
+    from orchestrate import ort
+
+    found = ort.providers() if ort.load() is not None else []
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in found] or ["CPUExecutionProvider"]
+
+
 def log_model(client, run_id: str, path: Path, sample: np.ndarray, step: int, register: Registration | None = None,
               name: str = "model", evaluation=(), eval_dataset: tuple[str, str] | None = None) -> str:
     """`path` (an ONNX model) as a READY LoggedModel `name` of run `run_id`, output at `step`;
@@ -37,28 +67,27 @@ def log_model(client, run_id: str, path: Path, sample: np.ndarray, step: int, re
     eval split `eval_dataset` (name, digest); registered as `register` says. Returns its id."""
     import mlflow.onnx
     import onnx
-    import onnxruntime
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model, infer_signature
 
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    output = session.run(None, {session.get_inputs()[0].name: sample})[0]
+    from orchestrate.thirdparty import onnx_flavor_without_runtime
+
+    proto = onnx.load(str(path))
     experiment_id = client.get_run(run_id).info.experiment_id
     model = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type="onnx")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            # Served on what this onnxruntime build has (MLflow's default names CUDA first, and warns
-            # on every load where it is missing).
-            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
-                         if p in onnxruntime.get_available_providers()]
             # What serving it needs, named: MLflow would otherwise infer it by loading the model in a
             # subprocess (5.5 s of every run's end, measured on the digits MLP).
+            runtime = runtime_version()
             needs = [f"mlflow=={mlflow.__version__}", f"onnx=={onnx.__version__}",
-                     f"onnxruntime=={onnxruntime.__version__}", f"numpy=={np.__version__}"]
+                     f"onnxruntime=={runtime}" if runtime else "onnxruntime", f"numpy=={np.__version__}"]
             # The MLmodel file names its run and model, as MLflow's own log_model writes it.
-            mlflow.onnx.save_model(onnx.load(str(path)), f"{tmp}/model", signature=infer_signature(sample, output),
-                                   input_example=sample, onnx_execution_providers=providers, pip_requirements=needs,
-                                   mlflow_model=Model(run_id=run_id, model_id=model.model_id))
+            signature = infer_signature(sample, output_like(proto, sample))
+            with onnx_flavor_without_runtime():
+                mlflow.onnx.save_model(proto, f"{tmp}/model", signature=signature, input_example=sample,
+                                       onnx_execution_providers=providers(), pip_requirements=needs,
+                                       mlflow_model=Model(run_id=run_id, model_id=model.model_id))
             client.log_model_artifacts(model.model_id, f"{tmp}/model")
     except BaseException:
         client.finalize_logged_model(model.model_id, "FAILED")

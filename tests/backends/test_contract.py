@@ -7,14 +7,14 @@ import re
 
 import numpy as np
 import onnx
-import onnxruntime
+import onnxruntime  # the inference runtime: ORT's training build, or the `serve` extra's package
 import pytest
 import torch
 
 from orchestrate import app, schema
 from orchestrate.backends.torch import export_onnx
 from orchestrate.config import load_config
-from tests.conftest import BACKENDS, ROOT, client_for, long, metric_steps
+from tests.conftest import BACKENDS, ROOT, client_for, here, long, metric_steps
 from tests.helpers import fit_untracked
 
 METRICS = ["train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec", "perf/step_time_ms", "lr"]
@@ -46,10 +46,9 @@ def trained(request, mlflow_server, tmp_path_factory):
     if backend_target(request.param).distributed:
         request.getfixturevalue("ray_shared")
     out = tmp_path_factory.mktemp(request.param)
-    cfg = load_config([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
-                           "trainer.checkpoint_period=20", "trainer.evaluation_period=20", "optimizer.lr=0.01",
-                           f"tracking.uri={mlflow_server}",
-                           "tracking.experiment=contract"])
+    cfg = load_config(here([f"backend={request.param}", "data=synthetic", "trainer=quick", "trainer.max_steps=40",
+                            "trainer.checkpoint_period=20", "trainer.evaluation_period=20", "optimizer.lr=0.01",
+                            f"tracking.uri={mlflow_server}", "tracking.experiment=contract"]))
     result = app.train(cfg, out)
     return request.param, cfg, result, client_for(mlflow_server)
 
@@ -173,10 +172,11 @@ def diverging(backend: str, tmp_path, request, *overrides: str, display: int = 1
     if backend_target(backend).distributed:
         request.getfixturevalue("ray_shared")
         overrides = ("trainer.num_workers=2", "trainer.batch_size=32", *overrides)
-    cfg = load_config([f"backend={backend}", "data=synthetic", "data._target_=tests.helpers.NanFrom",
-                           "+data.start=6", "trainer=quick", "trainer.max_steps=10", f"trainer.display_loss_steps={display}",
-                           "trainer.evaluation_period=0", "trainer.checkpoint_period=3", "trainer.max_num_checkpoints=5",
-                           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
+    cfg = load_config(here([f"backend={backend}", "data=synthetic", "data._target_=tests.helpers.NanFrom",
+                            "+data.start=6", "trainer=quick", "trainer.max_steps=10",
+                            f"trainer.display_loss_steps={display}", "trainer.evaluation_period=0",
+                            "trainer.checkpoint_period=3", "trainer.max_num_checkpoints=5",
+                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides]))
     return cfg
 
 

@@ -170,6 +170,20 @@ class RunnerBackend(Backend):
         if self.engine != "auto" and self.engine != self.name:
             self.engine_backend().check_precision(job)
 
+    def unavailable(self, key: str = "backend") -> str | None:
+        """The engine's, where it is one (auto leaves out those this environment lacks)."""
+        if self.engine == self.name:
+            return None  # `check` says what is wrong with it
+        try:
+            engine = self.engine_backend()
+        except ConfigError:  # no such backend, or a bad setting of it: `check` says so
+            return None
+        why = None if engine.chooses else engine.unavailable("backend.engine")
+        if why is None:
+            return None
+        here = [name for name in engines() if schema.build(engine_config(name), "backend.engine").unavailable() is None]
+        return f"{why}; or choose an engine this environment has: backend.engine={'|'.join(here + backends('chooses'))}"
+
     def check(self, job) -> None:
         t = job.trainer
         if self.engine == self.name:
