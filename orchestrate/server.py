@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from orchestrate import extras
+
 HEALTH_TIMEOUT_S = 120  # mlflow server: start-up, and on a new database its schema migrations
 POSTGRES_TIMEOUT_S = 60  # pg_ctl start/stop
 CONNECT_TIMEOUT_S = 5  # an existing PostgreSQL (--backend-store-uri)
@@ -173,7 +175,7 @@ def redacted(uri: str) -> str:
 
 def with_driver(uri: str) -> str:
     """The URI for mlflow server's SQLAlchemy: a bare postgresql:// would pick the psycopg (3)
-    driver, which is not installed; psycopg2 is (a dependency of orchestrate)."""
+    driver, which is not installed; psycopg2 is (the `server` extra)."""
     return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", uri)
 
 
@@ -331,6 +333,10 @@ def stop_on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    missing = extras.SERVER.missing("orchestrate server")  # MLflow reaches PostgreSQL through psycopg2
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     artifacts = args.artifacts_destination or str((args.data_dir / "artifacts").resolve())
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:

@@ -223,6 +223,16 @@ class CumulativeMLP(MLP):
         return self.net[-1](torch.cumsum(self.net[:-1](x), dim=-1))
 
 
+class NeedsAMissingPackage(TorchBackend):
+    """The torch backend behind an extra this environment lacks: what an ORT backend is where ORT
+    is not installed (orchestrate.extras), on every stack."""
+
+    from orchestrate.extras import Extra
+
+    extra = Extra("absent", "the package absent_pkg", "absent_pkg_for_orchestrate_tests")
+    del Extra
+
+
 def fit_untracked(overrides: list[str], out_dir: Path):
     """Build the job `overrides` compose and run its backend's loop alone, without an MLflow run
     (one costs seconds of its own), connected as `app.train` connects it (the runner: a Ray

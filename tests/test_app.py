@@ -151,6 +151,7 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
         np.testing.assert_allclose(trained[k], uninterrupted[k], atol=1e-6, rtol=0, err_msg=k)
 
 
+@pytest.mark.ort
 def test_a_backend_that_cannot_resume_is_refused_naming_those_that_can(make_cfg, monkeypatch):
     """The backends and engines a refusal offers are found from their `resumable` flags."""
     monkeypatch.setattr(OnDeviceBackend, "resumable", False)

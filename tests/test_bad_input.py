@@ -17,7 +17,9 @@ from tests.conftest import here
 CASES = [
     # sweeps
     (["-m", "trainer.max_steps=1,abc"], "trainer.max_steps: Value 'abc' of type 'str' could not be converted"),
-    (["-m", "optimizer.lr=0.1,-1"], "trial 1 (optimizer.lr=-1): optimizer.lr=-1 (torch.optim.AdamW): Invalid learning rate"),
+    pytest.param(["-m", "optimizer.lr=0.1,-1"],  # the default backend (ortmodule) as typed: the trial's words
+                 "trial 1 (optimizer.lr=-1): optimizer.lr=-1 (torch.optim.AdamW): Invalid learning rate",
+                 marks=pytest.mark.ort),
     (["+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
     (["+dry_run", "+sweep=nope"], "sweep=nope: no such choice; allowed: backends, lr_grid, lr_optuna, none"),
     (["-m", "optimizer.lr=range(0)"], "optimizer.lr=range(0): the sweep has no trials"),
@@ -69,8 +71,9 @@ CASES = [
     (["model=cnn", "model.dropout=2"], "model.dropout=2: must be from 0 to 1"),
     (["backend=runner", "backend.cpus_per_worker=0"], "backend.cpus_per_worker=0: must be above 0"),
     # a model the backend cannot take, refused by the backend's own preparation in the up-front check
-    (["model._target_=tests.helpers.FftMLP"], "model (tests.helpers.FftMLP) cannot be exported by ORTModule at "
-                                               "opset 17: UnsupportedOperatorError: Exporting the operator 'aten::fft_fft'"),
+    pytest.param(["model._target_=tests.helpers.FftMLP"], "model (tests.helpers.FftMLP) cannot be exported by "
+                 "ORTModule at opset 17: UnsupportedOperatorError: Exporting the operator 'aten::fft_fft'",
+                 marks=pytest.mark.ort),
     (["backend=ondevice", "model._target_=tests.helpers.FftMLP"],
      "model (tests.helpers.FftMLP) cannot be exported at backend.opset=15: UnsupportedOperatorError"),
     (["model._target_=torch.nn.Linear", "~model.hidden", "model.out_features=0"],
@@ -106,7 +109,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(getattr(c, "values", c)[0]) for c in CASES])
 def test_bad_input_is_refused_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["orchestrate", *here(argv)])
@@ -226,7 +229,7 @@ def test_a_deleted_experiment_is_named_with_the_way_back(tmp_path, monkeypatch, 
     client.delete_experiment(deleted)
     capsys.readouterr()  # MLflow's own lines as it made the store
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["orchestrate", "trainer.max_steps=1"])
+    monkeypatch.setattr(sys, "argv", ["orchestrate", *here(["trainer.max_steps=1"])])
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2

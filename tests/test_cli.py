@@ -11,6 +11,7 @@ import pytest
 from orchestrate import app
 from orchestrate.cli import main
 from orchestrate.config import ConfigSource, load_config
+from tests.conftest import here
 from tests.helpers import exit_code
 
 
@@ -105,13 +106,13 @@ BAD_INPUT = [
      "initial_accumulator_value, eps, foreach, maximize, differentiable, fused; drop it with ~optimizer.betas, or give "
      "torch.optim.Adagrad a config file of its own (optimizer/adagrad.yaml in a folder passed with --config-dir, then "
      "optimizer=adagrad)"),
-    (["backend._target_=orchestrate.backends.torch.TorchBackend"],
+    pytest.param(["backend._target_=orchestrate.backends.torch.TorchBackend"],  # ortmodule's keys (the default)
      "backend.allow_spinning: unknown key for orchestrate.backends.torch.TorchBackend; allowed keys: name, "
-     "intra_op_threads, fused_optimizer; drop it with ~backend.allow_spinning"),
+     "intra_op_threads, fused_optimizer; drop it with ~backend.allow_spinning", marks=pytest.mark.ort),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD_INPUT, ids=[" ".join(o) for o, _ in BAD_INPUT])
+@pytest.mark.parametrize("overrides,message", BAD_INPUT, ids=[" ".join(getattr(c, "values", c)[0]) for c in BAD_INPUT])
 def test_bad_input_is_one_plain_message_exit_2_nothing_written(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert exit_code(monkeypatch, *overrides) == 2
@@ -151,7 +152,7 @@ def test_choices_in_the_users_folder_are_checked_with_the_shipped_ones(where, us
 @pytest.mark.parametrize("where", [["--config-dir", "conf"], ["hydra.searchpath=[file://conf]"]])
 def test_a_choice_in_the_users_folder_passes_the_check(where, user_conf):
     source = ConfigSource.from_flags([w for w in where if not w.startswith("hydra.")])
-    cfg = load_config([*[w for w in where if w.startswith("hydra.")], "model=wide"], source)
+    cfg = load_config(here([*[w for w in where if w.startswith("hydra.")], "model=wide"]), source)
     assert list(cfg.model.hidden) == [512]
     app.check(cfg)  # builds it, runs it once on the sample batch
 

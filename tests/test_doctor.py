@@ -131,6 +131,7 @@ def failures(broken) -> list[str]:
     return [line for line, state in status(broken["lines"]).items() if state == "FAIL"]
 
 
+@pytest.mark.ort  # two of its four failures are ORT's
 def test_broken_stack_exits_1_and_counts_the_failures(broken):
     assert broken["code"] == 1
     assert len(failures(broken)) == 4, broken["lines"]
@@ -141,10 +142,12 @@ def test_broken_stack_exits_1_and_counts_the_failures(broken):
         line.split()[0] for line, state in status(broken["lines"]).items() if state == "OK"}
 
 
+@pytest.mark.ort  # the `ort` extra's onnx pin and ORTModule's extensions
 def test_wrong_onnx_version_names_both_versions_and_the_fix(broken):
     assert "onnx 1.17.0 (tested: 1.16.2) -> pip install onnx==1.16.2" in failures(broken)
 
 
+@pytest.mark.ort  # the `ort` extra's onnx pin and ORTModule's extensions
 def test_missing_extension_build_names_the_build_command(broken):
     (line,) = [f for f in failures(broken) if f.startswith("ORTModule's C++ extensions")]
     assert "not built" in line and "python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install" in line

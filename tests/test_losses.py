@@ -21,6 +21,7 @@ def test_accuracy_counts_correct_predictions_and_none_for_regression():
     assert losses.get("mse").accuracy is None and losses.get("l1").accuracy is None
 
 
+@pytest.mark.ort
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
 def test_every_loss_has_an_ort_block(name):
     from onnxruntime.training import onnxblock
@@ -34,6 +35,7 @@ def test_an_unknown_loss_names_the_allowed_ones():
         losses.get("huber")
 
 
+@pytest.mark.ort
 def test_ort_cross_entropy_block_flattens_language_model_logits_inside_the_loss(tmp_path):
     """The on-device training graph's loss on (B, T, C) logits and (B, T) labels is PyTorch's, and
     the model's own output keeps its shape (B, T, C)."""

@@ -87,8 +87,8 @@ def test_an_exports_warnings_go_to_the_log_file_and_to_the_console_from_the_leve
     export_for_training(model, sample, opset=17)  # ORTModule's check and the on-device artifacts
     shown, logged = console.getvalue(), log_file.read_text()
     assert "Warning" not in shown, shown
-    assert "TracerWarning: Converting a tensor to a Python float" in logged
-    assert "FutureWarning: Setting `training` to something other than default is deprecated" in logged
+    assert "TracerWarning: Converting a tensor to a Python float" in logged  # (torch 2.6's FutureWarning on
+    # `training` too: "Warning" above is not on the console; torch 2.14 raises none)
     export_onnx(model, sample, tmp_path / "loud.onnx", log_level="WARNING")  # backend.log_level=WARNING
     assert "TracerWarning" in console.getvalue()
     # Python's warning filters and the console's filters are as they were.

@@ -17,7 +17,12 @@ from tests.conftest import ROOT
 EXCEPTIONS = {"hydra_plugins/orchestrate_grid_sweeper/grid_sweeper.py": "hydra._internal.core_plugins.basic_sweeper"}
 
 
-@pytest.mark.parametrize("internal", thirdparty.INTERNALS, ids=lambda i: f"{i.module}:{i.name}")
+# Names read only where ORTModule runs (ORT's training build, torch 2.6): the current stack has neither.
+ORT_ONLY = {"ortmodule_session_options", "standard_symbolics"}
+
+
+@pytest.mark.parametrize("internal", [pytest.param(i, marks=[pytest.mark.ort] if i.used_by in ORT_ONLY else [])
+                                      for i in thirdparty.INTERNALS], ids=lambda i: f"{i.module}:{i.name}")
 def test_each_private_name_exists_in_the_pinned_versions(internal):
     module = importlib.import_module(internal.module)
     assert hasattr(thirdparty, internal.used_by), f"{internal.used_by}: not in orchestrate.thirdparty"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import orchestrate
 
-VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "mlflow", "ray", "hydra-core"]
+VERSIONED = ["torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime", "onnx", "mlflow", "ray",
+             "hydra-core"]  # those installed: ORT's training build is an extra, the inference package another
 
 
 def git_commit() -> str:

@@ -87,6 +87,7 @@ def test_auto_trains_exactly_the_run_the_chosen_backend_would_have(tmp_path):
     assert auto.meter.final["auto_probe_s"] > 0
 
 
+@pytest.mark.ort
 def test_a_candidate_that_refuses_the_model_is_listed_with_its_reason(tmp_path):
     """ORT 1.19 has no gradient for CumSum: the on-device backend refuses the model, torch trains it."""
     job = fit_untracked(["backend=auto", "backend.candidates=[ondevice,torch]", *QUICK,
@@ -99,6 +100,7 @@ def test_a_candidate_that_refuses_the_model_is_listed_with_its_reason(tmp_path):
                                             "backend=ondevice: ORT 1.19.2 has no gradient for the ONNX op CumSum")
 
 
+@pytest.mark.ort
 def test_auto_trains_in_a_precision_only_some_candidates_take(tmp_path):
     job = fit_untracked(["backend=auto", "backend.candidates=[ondevice,torch]", *QUICK, "trainer.precision=bf16",
                          "trainer.max_steps=10"], tmp_path)
@@ -108,9 +110,10 @@ def test_auto_trains_in_a_precision_only_some_candidates_take(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["backend.candidates=[ortmodule,ondevice]", "model._target_=tests.helpers.FftMLP"],
-     "^backend=auto: every candidate refuses this config: ortmodule: model \\(tests.helpers.FftMLP\\) cannot be "
-     "exported by ORTModule at opset 17: .*; ondevice: model \\(tests.helpers.FftMLP\\) cannot be exported"),
+    pytest.param(["backend.candidates=[ortmodule,ondevice]", "model._target_=tests.helpers.FftMLP"],
+                 "^backend=auto: every candidate refuses this config: ortmodule: model \\(tests.helpers.FftMLP\\) cannot "
+                 "be exported by ORTModule at opset 17: .*; ondevice: model \\(tests.helpers.FftMLP\\) cannot be exported",
+                 marks=pytest.mark.ort),
     (["backend.candidates=[runner]"], "^backend.candidates: runner is not a backend this can probe; allowed: "
                                       "compile, ondevice, ortmodule, torch$"),
     (["backend.candidates=[]"], "^backend.candidates=\\[\\]: name at least one backend"),

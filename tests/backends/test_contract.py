@@ -2,6 +2,7 @@
 share one LauncherTestSuite): it trains, tracks, checkpoints and exports the same way, and every
 shipped model (conf/model/*.yaml) exports the same model.onnx whichever backend trained it."""
 
+import importlib.metadata
 import os
 import re
 
@@ -11,7 +12,7 @@ import onnxruntime  # the inference runtime: ORT's training build, or the `serve
 import pytest
 import torch
 
-from orchestrate import app, schema
+from orchestrate import app, extras, schema
 from orchestrate.backends.torch import export_onnx
 from orchestrate.config import load_config
 from tests.conftest import BACKENDS, ROOT, client_for, here, long, metric_steps
@@ -78,7 +79,8 @@ def test_metrics_params_and_tags_in_mlflow(trained):
     else:
         assert tags["backend"] == backend
     assert tags["device"].startswith("cpu")
-    assert {"git_commit", "version.torch", "version.onnx", "version.onnxruntime-training-cpu"} <= set(tags)
+    assert {"git_commit", "version.torch", "version.onnx", "version.mlflow"} <= set(tags)
+    assert ("version.onnxruntime-training-cpu" in tags) == extras.ORT.present()
 
 
 def test_the_run_logs_the_cpu_budget_it_trained_with(trained):
@@ -98,8 +100,9 @@ def test_artifacts_in_mlflow(trained):
     assert {"config.yaml", "requirements-freeze.txt", "model.onnx", "loss_curves.png", "checkpoints"} <= top
     checkpoints = [a.path for a in client.list_artifacts(result.run_id, "checkpoints")]
     assert len(checkpoints) == 2  # steps 20 and 40
-    freeze = open(client.download_artifacts(result.run_id, "requirements-freeze.txt")).read()
-    assert "onnxruntime-training-cpu==1.19.2" in freeze
+    freeze = open(client.download_artifacts(result.run_id, "requirements-freeze.txt")).read().split()
+    assert f"torch=={importlib.metadata.version('torch')}" in freeze
+    assert ("onnxruntime-training-cpu==1.19.2" in freeze) == extras.ORT.present()
 
 
 def eval_accuracy(model: torch.nn.Module, cfg) -> float:

@@ -12,7 +12,7 @@ from orchestrate.__main__ import main
 from orchestrate.backends.runner.collective import Workers
 from orchestrate.config import load_config
 from orchestrate.job import Job
-from tests.conftest import ROOT, long
+from tests.conftest import ROOT, here, long
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -20,8 +20,9 @@ from tests.conftest import ROOT, long
      "trainer.min_workers=3 is above trainer.num_workers=2"),
     (["backend=runner", "trainer.num_workers=2", "trainer.min_workers=0"], "trainer.min_workers=0: must be at least 1"),
     (["backend=torch", "trainer.min_workers=1"], "trainer.min_workers=1: an elastic worker count needs backend=runner"),
-    (["backend=runner", "backend.engine=ondevice", "optimizer=sgd", "trainer.num_workers=2", "trainer.min_workers=1",
-      "backend.average_every=5"], "trainer.min_workers=1 and backend.average_every=5"),
+    pytest.param(["backend=runner", "backend.engine=ondevice", "optimizer=sgd", "trainer.num_workers=2",
+                  "trainer.min_workers=1", "backend.average_every=5"], "trainer.min_workers=1 and backend.average_every=5",
+                 marks=pytest.mark.ort),
     (["backend=runner", "trainer.num_workers=2", "trainer.min_workers=1", "backend.resize_interval_s=0"],
      "backend.resize_interval_s=0"),
     (["backend=runner", "trainer.num_workers=[2,4]"],  # Ray Train's (min, max), spelled as a list
@@ -31,7 +32,7 @@ from tests.conftest import ROOT, long
 ])
 def test_bad_elastic_input(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["orchestrate", "data=synthetic", "trainer=quick", *overrides])
+    monkeypatch.setattr("sys.argv", ["orchestrate", *here(["data=synthetic", "trainer=quick", *overrides])])
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2
@@ -44,9 +45,9 @@ def step_gradients(tmp_path, world: int, step: int) -> tuple[list[torch.Tensor],
     """One step's all-reduced gradients and logged loss with `world` of the run's 4 x 2 slices'
     ranks, computed rank by rank in this process as the loops do: each rank's micro-batches, each
     loss times the job's weight, then DDP's mean over the ranks (and the meter's over the ranks)."""
-    cfg = load_config(["backend=runner", "data=synthetic", "trainer=quick", "trainer.num_workers=4",
-                       "trainer.gradient_accumulation_steps=2", "trainer.batch_size=8", "model.hidden=[16]",
-                       f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
+    cfg = load_config(here(["backend=runner", "data=synthetic", "trainer=quick", "trainer.num_workers=4",
+                            "trainer.gradient_accumulation_steps=2", "trainer.batch_size=8", "model.hidden=[16]",
+                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]))
     total, loss, counts = None, 0.0, []
     for rank in range(world):
         job = Job.build(cfg, tmp_path, parallel=Workers(rank, world, torch.device("cpu")))
@@ -75,9 +76,9 @@ def test_a_step_is_the_same_at_any_worker_count(tmp_path, world):
 
 
 def test_a_step_reads_each_sample_once_whatever_the_worker_count(tmp_path):
-    cfg = load_config(["backend=runner", "data=synthetic", "trainer=quick", "trainer.num_workers=4",
-                       "trainer.gradient_accumulation_steps=2", "trainer.batch_size=8",
-                       f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
+    cfg = load_config(here(["backend=runner", "data=synthetic", "trainer=quick", "trainer.num_workers=4",
+                            "trainer.gradient_accumulation_steps=2", "trainer.batch_size=8",
+                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]))
 
     def rows(world: int) -> list[tuple]:
         seen = []

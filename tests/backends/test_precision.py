@@ -44,6 +44,7 @@ def test_an_ort_backend_refuses_bf16_naming_what_it_takes(backend, takes, tmp_pa
     assert str(e.value) == f"trainer.precision=bf16: backend={backend} trains in {takes}; bf16 with backend=compile, torch"
 
 
+@pytest.mark.ort
 def test_the_runner_trains_in_its_engines_precisions(tmp_path):
     torch_engine = load_config(["backend=runner", "backend.engine=torch", "trainer.precision=bf16", "data=synthetic",
                                 "trainer=quick"])

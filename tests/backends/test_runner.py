@@ -21,7 +21,7 @@ from orchestrate import app, checkpoints, ray_cluster, schema, stack
 from orchestrate.__main__ import main
 from orchestrate.backends.runner import driver
 from orchestrate.config import load_config
-from tests.conftest import ROOT, client_for, long, metric_steps
+from tests.conftest import ROOT, client_for, here, long, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, prints_no_cuda_notice, served_twice
 
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
@@ -267,11 +267,12 @@ def test_ray_trains_preemption_watcher_is_off_on_the_local_ray_only_while_the_ru
     (["backend=runner", "backend.max_failures=-1"], "backend.max_failures=-1: must be 0 or more"),
     (["backend=runner", "backend.log_level=LOUD"], "backend.log_level='LOUD': allowed: VERBOSE, DEVINFO, INFO"),
     (["backend=runner", "backend.use_gpu=true"], "backend.use_gpu=true and trainer.device=cpu disagree"),
-    (["backend=runner", "backend.engine=ondevice", "optimizer._target_=torch.optim.Adam"], "the on-device API offers"),
+    pytest.param(["backend=runner", "backend.engine=ondevice", "optimizer._target_=torch.optim.Adam"],
+                 "the on-device API offers", marks=pytest.mark.ort),
 ])
 def test_bad_runner_input(overrides, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["orchestrate", *overrides])
+    monkeypatch.setattr("sys.argv", ["orchestrate", *here(overrides)])
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from orchestrate import app, job
 from orchestrate.config import Composer, ConfigSource, load_config
+from tests.conftest import here
 
 CASES = [
     ["optimizer.lr=0.01", "backend=torch"],
@@ -65,6 +66,6 @@ def test_a_data_set_is_built_once_per_config():
 def test_a_check_builds_a_model_once_per_model_data_and_seed():
     checked = app.Checked()
     for lr in (0.1, 0.2):
-        app.check(load_config(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"]), checked)
-    app.check(load_config(["data=synthetic", "trainer=quick", "model.hidden=[4]"]), checked)
+        app.check(load_config(here(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"])), checked)
+    app.check(load_config(here(["data=synthetic", "trainer=quick", "model.hidden=[4]"])), checked)
     assert len(checked.models) == 2

@@ -37,7 +37,7 @@ def test_models_build_offline_and_export_without_a_word(monkeypatch, tmp_path, c
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.onnx.export(model, (x,), str(tmp_path / "model.onnx"), opset_version=15,
-                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False)
         # torch's own FutureWarning about the `training` argument is not the model's.
         assert [str(w.message) for w in caught
                 if issubclass(w.category, torch.jit.TracerWarning) or "transformers" in w.filename] == []

@@ -216,3 +216,23 @@ def test_system_metrics_when_asked_for_and_only_then(registered, make_cfg, tmp_p
     assert any(k.startswith("system/cpu_utilization") for k in keys), sorted(keys)
     client, first, _, _ = registered  # off by default
     assert not any(k.startswith("system/") for k in client.get_run(first.run_id).data.metrics)
+
+
+def test_a_model_is_logged_where_no_onnx_runtime_is_installed(make_cfg, tmp_path, monkeypatch):
+    """The base install has no ONNX Runtime (ORT's training build is an extra, the inference package
+    another): the trained model.onnx is a READY LoggedModel all the same, its requirements naming
+    onnxruntime for whoever serves it."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name.split(".")[0] == "onnxruntime" else find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` fails as it would there
+    result = app.train(make_cfg("backend=torch", "trainer.max_steps=5"), tmp_path / "run")
+    client = client_for(f"sqlite:///{tmp_path}/mlflow.db")
+    (output,) = client.get_run(result.run_id).outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert str(model.status).endswith("READY")
+    requirements = mlflow.artifacts.download_artifacts(artifact_uri=f"{model.artifact_location}/requirements.txt",
+                                                       dst_path=str(tmp_path))
+    assert "onnxruntime" in open(requirements).read().split()
