@@ -47,7 +47,8 @@ class Extra:
         where = []
         if self.below_python:  # from orchestrate's oldest Python (3.11) up to the last it has wheels for
             versions = [f"3.{minor}" for minor in range(11, self.below_python[1])]
-            where = [f"Python {', '.join(versions[:-1])} or {versions[-1]}" if len(versions) > 1 else f"Python {versions[0]}"]
+            where = ([f"Python {', '.join(versions[:-1])} or {versions[-1]}"] if len(versions) > 1 else
+                     [f"Python {v}" for v in versions])
         line = f"{who} needs {self.what}: {self.install}"
         if where or also:
             line += f" ({', '.join([*where, *([also] if also else [])])})"

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from orchestrate.cli import main
 from orchestrate.extras import ORT, Extra
-from tests.helpers import exit_code, fit_untracked
+from tests.helpers import exit_code
 
 ABSENT = "backend=absent needs the package absent_pkg: pip install 'orchestrate[absent]'"
 BACKEND = "defaults:\n  - torch\n  - _self_\n_target_: tests.helpers.NeedsAMissingPackage\nname: absent\n"
@@ -33,9 +34,10 @@ def test_present_reads_the_files_without_importing():
 
 
 def test_the_line_names_the_install_the_pythons_it_has_wheels_for_and_what_else_it_needs():
-    extra = Extra("ort", "ORT's training build", "no_such_package_at_all", below_python=(3, 99))
+    extra = Extra("ort", "ORT's training build", "no_such_package_at_all", below_python=(3, 14))
     assert extra.missing("backend=ortmodule", also="torch 2.6").startswith(
-        "backend=ortmodule needs ORT's training build: pip install 'orchestrate[ort]' (Python 3.11 or 3.12 or ")
+        "backend=ortmodule needs ORT's training build: pip install 'orchestrate[ort]' (Python 3.11, 3.12 or 3.13, "
+        "torch 2.6)")
     beyond = Extra("ort", "ORT's training build", "no_such_package_at_all", below_python=(3, 11))
     assert beyond.missing("backend=ondevice").endswith(
         f"; this is Python {sys.version_info[0]}.{sys.version_info[1]}, which it has no wheel for")
@@ -72,10 +74,11 @@ def test_a_sweep_whose_other_trial_is_wrong_names_that_one(conf, monkeypatch, ca
     assert "optimizer.lr=-1" in capsys.readouterr().err  # the other trials were checked
 
 
-def test_auto_leaves_the_missing_backend_out_and_says_why(conf, tmp_path):
-    job = fit_untracked(["hydra.searchpath=[file://conf]", "backend=auto", "backend.candidates=[absent,torch]",
-                         *QUICK], tmp_path / "out")
-    assert job.backend.name == "torch"
+def test_auto_leaves_the_missing_backend_out_and_says_why(conf, tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["orchestrate", "--config-dir", "conf", "backend=auto",
+                                     "backend.candidates=[absent,torch]", *QUICK, f"hydra.run.dir={tmp_path / 'out'}"])
+    main()
     table = (tmp_path / "out" / "auto_probe.md").read_text()
+    assert "| torch " in table and "chosen" in table
     (row,) = [line for line in table.splitlines() if line.startswith("| absent ")]
     assert row.rstrip(" |").endswith(f"refused: {ABSENT}")

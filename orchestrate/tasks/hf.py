@@ -38,21 +38,26 @@ class CausalLM(nn.Module):
             raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
         config = GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=n_embd, n_layer=n_layer,
                             n_head=n_head, embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout,
-                            attn_implementation=ATTENTION)
+                            attn_implementation=ATTENTION, bos_token_id=None, eos_token_id=None)
         self.hf = GPT2LMHeadModel(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # No key/value cache: training sees whole windows, and the cache would be an extra output.
+        # The attention mask, all ones, is given: without one transformers 5 looks for packed
+        # sequences in the position ids (`torch.diff`, which torch.onnx cannot export, and a host
+        # sync every step); transformers 4 builds the same causal mask either way.
+        mask = torch.ones_like(idx)
         if not torch.jit.is_tracing():
-            return self.hf(input_ids=idx, use_cache=False, return_dict=True).logits
+            return self.hf(input_ids=idx, attention_mask=mask, use_cache=False, return_dict=True).logits
         # Exporting to ONNX (ORTModule, ondevice, the final model.onnx), the tracer warns that GPT-2's
-        # causal mask takes a Python branch on the sequence length (`if sequence_length != 1`). The
+        # causal mask takes a Python branch on the sequence length (`if sequence_length != 1`; in
+        # transformers 5 the padding of the mask to the key length, in its masking_utils). The
         # exported graphs fix the sequence length (only the batch dimension is dynamic), so the
         # branch taken is the right one for every input they accept: the warning is left out.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Converting a tensor to a Python boolean", torch.jit.TracerWarning,
-                                    r"transformers\.models\.gpt2\.")
-            return self.hf(input_ids=idx, use_cache=False, return_dict=True).logits
+                                    r"transformers\.(models\.gpt2\.|masking_utils|modeling_attn_mask_utils)")
+            return self.hf(input_ids=idx, attention_mask=mask, use_cache=False, return_dict=True).logits
 
 
 class Classifier(nn.Module):
