@@ -177,16 +177,17 @@ def load():
     once with what its import prints sent to the log file only:
     onnxruntime-training imports torch's C++ extension helpers, which print "No CUDA runtime is
     found" to stderr on a machine with a CUDA toolkit and no GPU (every run's console, every sweep
-    trial's and every runner worker's, otherwise). The run's backend is not known yet when a job
-    is built, so the console gets what the import prints from the default `backend.log_level`
-    (ERROR) up. On the runner's workers Ray Train's print() goes to logging as it is called:
-    those records are this thread's meanwhile, and kept off the console too."""
-    if "onnxruntime" not in sys.modules:
-        if importlib.util.find_spec("onnxruntime") is None:
-            return None
+    trial's and every runner worker's, otherwise). Without ORT those helpers are imported here
+    alike (torch.compile's Inductor imports them on its first compilation). The run's backend is
+    not known yet when a job is built, so the console gets what the import prints from the
+    default `backend.log_level` (ERROR) up. On the runner's workers Ray Train's print() goes to
+    logging as it is called: those records are this thread's meanwhile, and kept off the console too."""
+    present = importlib.util.find_spec("onnxruntime") is not None
+    first = "onnxruntime" if present else "torch.utils.cpp_extension"
+    if first not in sys.modules:
         with off_console(), stderr_logged(console_from="ERROR"):  # ORT's import adds a console handler
-            importlib.import_module("onnxruntime")
-    return sys.modules["onnxruntime"]
+            importlib.import_module(first)
+    return sys.modules["onnxruntime"] if present else None
 
 
 def off_console(log_level: str = "ERROR"):
