@@ -416,10 +416,11 @@ def main(argv: list[str]) -> int:
     try:
         requires_python, requirements = tested_stack()
         report(*check_python(requires_python))
+        for extra in extras.EXTRAS:  # each installed extra's pins in place of the base install's ranges
+            if extra.present():  # (the `ort` extra's onnx: the release ORT 1.19 reads)
+                pinned = tested_stack(extra.name)[1]
+                requirements = [r for r in requirements if r.name not in {p.name for p in pinned}] + pinned
         ort = extras.ORT.present()
-        if ort:  # the `ort` extra's pins in place of the base install's ranges (onnx: the release ORT reads)
-            pinned = tested_stack("ort")[1]
-            requirements = [r for r in requirements if r.name not in {p.name for p in pinned}] + pinned
         for req in requirements:
             report(*check_requirement(req))
         extensions_ok = False

@@ -82,3 +82,31 @@ def test_auto_leaves_the_missing_backend_out_and_says_why(conf, tmp_path, monkey
     assert "| torch " in table and "chosen" in table
     (row,) = [line for line in table.splitlines() if line.startswith("| absent ")]
     assert row.rstrip(" |").endswith(f"refused: {ABSENT}")
+
+
+def test_a_model_whose_module_needs_a_missing_extra_is_refused_naming_it(tmp_path, monkeypatch):
+    """model=hf_causal_lm without transformers: the module of its `_target_` imports a package an
+    extra brings; the refusal names the extra instead of the ImportError."""
+    from omegaconf import OmegaConf
+
+    from orchestrate import extras, schema
+
+    (tmp_path / "users_models.py").write_text("import absent_pkg_for_orchestrate_tests\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(extras, "EXTRAS", (*extras.EXTRAS, Extra("absent", "the package absent_pkg",
+                                                                 "absent_pkg_for_orchestrate_tests")))
+    with pytest.raises(schema.ConfigError) as refused:
+        schema.target_of(OmegaConf.create({"_target_": "users_models.Net"}), "model")
+    assert str(refused.value) == ("model._target_=users_models.Net needs the package absent_pkg: "
+                                  "pip install 'orchestrate[absent]'")
+
+
+def test_orchestrate_server_without_postgresqls_driver_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    from orchestrate import extras, server
+
+    monkeypatch.setattr(extras, "SERVER", Extra("server", "PostgreSQL's driver for MLflow (psycopg2)",
+                                                "absent_pkg_for_orchestrate_tests"))
+    assert server.main(["--data-dir", str(tmp_path / "server")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: orchestrate server needs PostgreSQL's driver for MLflow "
+                                               "(psycopg2): pip install 'orchestrate[server]'")
+    assert not (tmp_path / "server").exists()
