@@ -6,9 +6,8 @@
 """
 
 import contextlib
-import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import checkpoints, errors, plots, process, schema, stack
 from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.cpu import Budget
-from orchestrate.job import Job
+from orchestrate.job import Checked, Job
 from orchestrate.meter import world_sizes
 from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
@@ -71,7 +70,7 @@ def unavailable(cfg: DictConfig) -> str | None:
 
 
 @dataclass
-class Checked:
+class CheckCache:
     """What the checks of many configs (a sweep's trials) share."""
 
     stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
@@ -80,65 +79,41 @@ class Checked:
     built: dict[Any, Any] = field(default_factory=dict)  # what backends' checks built, by their key (Job.built)
 
 
-def check(cfg: DictConfig, checked: Checked | None = None) -> Job:
-    """The one way in: take a composed config to a checked, built job, or one schema.ConfigError,
-    before anything is written or run: the tracking store answers, the job builds (data, model,
-    backend: Job.prepare, every setting against its declared range), `trainer.resume` resolves
-    (which only reads the store). The command line checks a run with it (and the run takes the job
-    over: `handing_over`), and every trial of a sweep. Checks of many configs share `checked`: each
-    tracking URI is asked once, and a model is built and run once per distinct model, data and seed."""
-    shared = checked is not None
-    checked = checked or Checked()
+def check(cfg: DictConfig, cache: CheckCache | None = None) -> Checked:
+    """The one way in: take a composed config to a checked, built job and the MLflow run it logs
+    into (`Checked`), or one schema.ConfigError, before anything is written or run: the tracking
+    store answers, the job builds (data, model, backend: Job.prepare, every setting against its
+    declared range), `trainer.resume` resolves (which only reads the store). The command line
+    checks a run with it, and the run takes what it returns over (`train`'s `checked`); every
+    trial of a sweep is checked with it too. Checks of many configs share `cache`: each tracking
+    URI is asked once, and a model is built and run once per distinct model, data and seed."""
+    shared = cache is not None
+    cache = cache or CheckCache()
     uri = cfg.tracking.uri
-    if uri not in checked.stores:  # first: a store that is not there fails in seconds, not minutes
-        checked.stores[uri] = reachable(uri)
-    if checked.stores[uri]:
-        raise schema.ConfigError(checked.stores[uri])
-    job = Job.prepare(cfg, out_dir="unused", models=checked.models if shared else None,
-                      built=checked.built if shared else None)
+    if uri not in cache.stores:  # first: a store that is not there fails in seconds, not minutes
+        cache.stores[uri] = reachable(uri)
+    if cache.stores[uri]:
+        raise schema.ConfigError(cache.stores[uri])
+    job = Job.prepare(cfg, models=cache.models if shared else None, built=cache.built if shared else None)
     experiment = (uri, cfg.tracking.experiment)
-    if experiment not in checked.experiments:  # MLflow would refuse the run only once it opens
+    if experiment not in cache.experiments:  # MLflow would refuse the run only once it opens
         # A sweep's trials (checked together, or run with the sweep's server as MLflow's URI) write through its server.
         direct = not shared and not os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http:", "https:"))
-        checked.experiments[experiment] = unusable_experiment(*experiment, direct=direct)
-    if checked.experiments.get(experiment):
-        raise schema.ConfigError(checked.experiments[experiment])
-    which_run(cfg)
-    return job
+        cache.experiments[experiment] = unusable_experiment(*experiment, direct=direct)
+    if cache.experiments.get(experiment):
+        raise schema.ConfigError(cache.experiments[experiment])
+    return Checked(OmegaConf.to_yaml(cfg), job, run=which_run(cfg))
 
 
-# The job a command checked, handed to the run of the same config inside `handing_over`'s block
-# (Hydra calls the run: it cannot take the job as an argument).
-_HANDED: contextvars.ContextVar[tuple[str, Job] | None] = contextvars.ContextVar("handed", default=None)
-
-
-@contextlib.contextmanager
-def handing_over(checked: tuple[DictConfig, Job] | None) -> Iterator[None]:
-    """Within the block, the run of the config in this process takes its `checked` job over
-    instead of building and checking it again (None: nothing to hand over); afterwards nothing of
-    it is kept."""
-    token = _HANDED.set((OmegaConf.to_yaml(checked[0]), checked[1]) if checked is not None else None)
-    try:
-        yield
-    finally:
-        _HANDED.reset(token)
-
-
-def handed_job(cfg: DictConfig) -> Job | None:
-    """The job handed over for `cfg` (`handing_over`), taken once; None if none was."""
-    handed = _HANDED.get()
-    if handed is None or handed[0] != OmegaConf.to_yaml(cfg):
-        return None
-    _HANDED.set(None)
-    return handed[1]
-
-
-def train(cfg: DictConfig, out_dir: Path) -> Result:
-    """Train once as `cfg` says; the MLflow run holds everything the run produced. The process
-    is left as it was found (thread counts, environment: orchestrate.process)."""
-    handed = handed_job(cfg)  # the job the command checked, if it checked this config
+def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Result:
+    """Train once as `cfg` says; the MLflow run holds everything the run produced. `checked`: the
+    check of this config (`check`), whose job and run choice the run takes over instead of building
+    and choosing them again (None, or another config's: built here). The process is left as it was
+    found (thread counts, environment: orchestrate.process)."""
     # ConfigError here: nothing has been written anywhere yet.
-    job = handed.moved_to(cfg, out_dir) if handed is not None else Job.prepare(cfg, out_dir)
+    job = checked.take(cfg, out_dir) if checked is not None else None
+    run_choice = checked.run if job is not None else None
+    job = job or Job.prepare(cfg, out_dir)
     job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
@@ -147,7 +122,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Result:
     # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
     with process.kept(), process.stop_on_signals(), job.backend.connect(job):
         # Which MLflow run: a sweep's trial's, the one trainer.resume continues, or a new one.
-        run_choice = which_run(cfg)
+        run_choice = run_choice or which_run(cfg)
         if run_choice.resume is not None:  # its checkpoint loads before the run reopens: a bad one changes nothing
             resume = run_choice.resume
             job.resume_state = checkpoints.load_checked(job.backend, job.model,
@@ -253,9 +228,20 @@ def resumable(cfg: DictConfig) -> bool:
         return False
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> float | None:
-    """One job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
+def hydra_app(checked: Checked | None = None) -> Callable[[], None]:
+    """The Hydra app `python -m orchestrate` runs (orchestrate.cli): each of its jobs is `hydra_job`.
+    `checked`: the single run's config as its command checked it, which the run takes over; None
+    for a sweep, whose trials (shipped to Ray workers and Slurm jobs as this function) check their own."""
+
+    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+    def task(cfg: DictConfig) -> float | None:
+        return hydra_job(cfg, checked)
+
+    return task
+
+
+def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | None:
+    """One Hydra job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
     hydra_cfg = HydraConfig.get()
     earlier = finished_run_metrics()
     if earlier is not None:  # a resumed sweep hands a finished trial its old run: nothing to train
@@ -267,5 +253,5 @@ def hydra_main(cfg: DictConfig) -> float | None:
     where = Where(RUN, out_dir=Path(hydra_cfg.runtime.output_dir), log_file=job_log(hydra_cfg),
                   resumable=resumable(cfg))
     with boundary(where) if hydra_cfg.mode == RunMode.RUN else contextlib.nullcontext():
-        result = train(cfg, Path(hydra_cfg.runtime.output_dir))
+        result = train(cfg, Path(hydra_cfg.runtime.output_dir), checked)
     return result.metrics.get(cfg.sweep.metric)

@@ -1,5 +1,5 @@
 """The error boundary of the three entry points: the command line's up-front check
-(`cli.validate`, `cli.validate_sweep`), one Hydra job (`app.hydra_main`, a single run) and the
+(`cli.validate`, `cli.validate_sweep`), one Hydra job (`app.hydra_job`, a single run) and the
 command around Hydra (`cli.main`). One table, `TABLE`, maps what was raised to the one line the
 console gets, the exit code and whether the full traceback is kept (the run's log, else a crash
 file: orchestrate.errors); an entry point says which stage it is (`Where`), and the first row of

@@ -37,7 +37,7 @@ class Checkpoints:
     the last step. Only the writer (rank 0 of the runner's workers) writes; every worker calls
     `save`, so that `on_save` (the runner's report to Ray Train) is called on all of them alike."""
 
-    def __init__(self, trainer: TrainerConf, folder: Path, tracker: Any = None, log_to_tracker: bool = True,
+    def __init__(self, trainer: TrainerConf, folder: Path | None, tracker: Any = None, log_to_tracker: bool = True,
                  writer: bool = True, sample: Callable[[], Any] | None = None):
         self.trainer, self.folder, self.tracker = trainer, folder, tracker
         self.log_to_tracker, self.writer = log_to_tracker, writer

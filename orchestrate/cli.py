@@ -14,7 +14,7 @@ import os
 import sys
 
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from orchestrate import app, errors, schema
 from orchestrate.boundary import CHECK, COMMAND, Where, boundary
@@ -43,14 +43,14 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
-             trial: str = "", compose: Composer | None = None, checked: app.Checked | None = None,
-             own_run: bool = False, unavailable: dict[str, list[str]] | None = None) -> tuple[DictConfig, app.Job] | None:
+             trial: str = "", compose: Composer | None = None, cache: app.CheckCache | None = None,
+             own_run: bool = False, unavailable: dict[str, list[str]] | None = None) -> app.Checked | None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
-    of a sweep); a sweep's trials share a `compose` (Composer) and what `checked` keeps.
+    of a sweep); a sweep's trials share a `compose` (Composer) and what `cache` keeps.
     `own_run`: the run's own command, whose backend may begin what it needs meanwhile; its
-    config and checked job are returned, for the run to take over (`app.handing_over`).
+    check (app.Checked: the job and the MLflow run) is returned, for the run to take over.
     `unavailable` (a sweep's): a trial whose backend this environment lacks is kept there, under
     the line that says what it lacks, instead of refused, so that the other trials are checked too."""
     with boundary(Where(CHECK, trial=trial, overrides=overrides, source=source)):
@@ -64,9 +64,9 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
                 unavailable.setdefault(why, []).append(trial.rstrip(": "))
                 return None
             with app.backend_head_start(cfg) if own_run else contextlib.nullcontext(), searching(source):
-                job = app.check(cfg, checked)
+                checked = app.check(cfg, cache)
     # The run's own command: the run takes the job over instead of building it again.
-    return (cfg, job) if own_run else None
+    return checked if own_run else None
 
 
 def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource) -> None:
@@ -86,11 +86,11 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
              "allowed: at least one value per swept key")
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
-    compose, checked, unavailable = Composer(source, hydra_overrides), app.Checked(), {}
+    compose, cache, unavailable = Composer(source, hydra_overrides), app.CheckCache(), {}
     with prestart.prestart(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
-                     trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, checked=checked,
+                     trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, cache=cache,
                      unavailable=unavailable)
         if unavailable:  # refused once the others are checked: the line says all that is missing
             left = len(trials) - sum(map(len, unavailable.values()))
@@ -211,7 +211,7 @@ def rewrite_sweep_words(argv: list[str], source: ConfigSource = ORCHESTRATE) -> 
 def check_flags(argv: list[str]) -> None:
     """Options Hydra's parser does not know (`--nope`) or refuses (`--cfg nope`): one line, not
     argparse's usage text."""
-    from orchestrate.thirdparty import hydra_internals
+    from orchestrate.thirdparty import hydra_internals, option_strings
 
     parser = hydra_internals().get_args_parser()
 
@@ -224,7 +224,7 @@ def check_flags(argv: list[str]) -> None:
     except ValueError as e:
         fail(f"{e}; see --help")
     if unknown:
-        options = ", ".join("/".join(a.option_strings) for a in parser._actions if a.option_strings)
+        options = ", ".join(option_strings(parser))
         fail(f"{unknown[0]}: unknown option; allowed: {options}")
 
 
@@ -248,13 +248,13 @@ def main() -> None:
     argv = rewrite_sweep_words(sys.argv[1:], source)
     flags, overrides = split_args(argv)
     multirun = any(f in MULTIRUN_FLAGS for f in flags)
-    handed = None  # the single run's config and checked job, which the run takes over
+    checked = None  # the single run's check (its job and MLflow run), which the run takes over
     if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
         if multirun:
             validate_sweep(flags, overrides, source)
         else:
             check_sweep_choice(overrides)
-            handed = validate(overrides, source, hydra_words(flags), own_run=True)
+            checked = validate(overrides, source, hydra_words(flags), own_run=True)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
@@ -262,8 +262,8 @@ def main() -> None:
     where = Where(COMMAND, multirun=multirun)
     try:
         # What Hydra would print as a traceback: one line here (the boundary's).
-        with boundary(where), errors.hydra_raising(), app.handing_over(handed):
-            app.hydra_main()
+        with boundary(where), errors.hydra_raising():
+            app.hydra_app(checked)()
     finally:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed

@@ -69,7 +69,9 @@ class ConfigSource:
 
 
 ORCHESTRATE = ConfigSource()
-_SEARCHED = [ORCHESTRATE]  # where a composition without a source of its own looks (`searching`)
+# Module state: where a composition without a source of its own looks (Hydra composes the run's
+# config deep inside its own calls); `searching` sets it for its block and puts it back.
+_SEARCHED = [ORCHESTRATE]
 
 
 @contextlib.contextmanager
@@ -149,10 +151,9 @@ class Composer:
     def __call__(self, overrides: list[str]) -> DictConfig:
         if self.in_full:
             return load_config([*self.hydra_overrides, *overrides], self.source)
-        from orchestrate.thirdparty import hydra_internals
-
-        ConfigLoaderImpl = hydra_internals().ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from orchestrate.thirdparty import hydra_apply_overrides, hydra_caching_repo
 
         if self.repo is None:
             with _hydra(self.source):
@@ -161,8 +162,7 @@ class Composer:
                     config_name = HydraConfig.get().job.config_name or config_name
                 # The search path as Hydra builds it for a composition, once: a primary config of
                 # the user's own may add orchestrate's groups with its `hydra.searchpath`.
-                _, self.repo = GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo(
-                    config_name, [])
+                self.repo = hydra_caching_repo(config_name)
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         # Hydra's own split (hydra/_internal/defaults_list.py, Overrides): a group's choice, or a
         # value for the config.
@@ -171,7 +171,7 @@ class Composer:
         if groups not in self.composed:
             self.composed[groups] = load_config(list(groups), self.source)
         cfg = copy.deepcopy(self.composed[groups])
-        ConfigLoaderImpl._apply_overrides_to_config(plain, cfg)
+        hydra_apply_overrides(plain, cfg)
         return cfg
 
 

@@ -337,8 +337,7 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
         # In the scratch folder: MLflow puts a SQLite store's artifacts in ./mlruns. Checked as the
         # command line checks a run (app.check), which then trains the job it checked.
         with output_to(log), contextlib.chdir(scratch):
-            with app.handing_over((cfg, app.check(cfg))):
-                result = app.train(cfg, scratch / name)
+            result = app.train(cfg, scratch / name, app.check(cfg))
     except BaseException as e:  # a smoke run's failure is this check's result, whatever it is
         if isinstance(e, KeyboardInterrupt):
             raise

@@ -88,7 +88,9 @@ def write_traceback(error: BaseException, log_file: str | Path | None = None) ->
     return Path(name)
 
 
-_USER_FULL_ERROR: list[bool] = []  # what the user's HYDRA_FULL_ERROR said, while hydra_raising() holds it
+# Module state: what the user's HYDRA_FULL_ERROR said, while hydra_raising() holds it (Hydra reads
+# the variable deep inside its own calls); that block pushes and pops it.
+_USER_FULL_ERROR: list[bool] = []
 
 
 @contextlib.contextmanager

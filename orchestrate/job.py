@@ -8,6 +8,7 @@ import inspect
 import math
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,10 @@ from orchestrate.parallel import Parallel
 from orchestrate.tasks import loader
 from orchestrate.tasks.data import DataSet
 
-_DATA: dict[str, DataSet] = {}  # data sets built in this process, by their resolved config
+# Module state: data sets built in this process, by their resolved config, so that the trials a
+# Ray worker runs in turn build theirs once; read-only (batches are served by position, and a
+# run's end stops a MapData's loader processes), so a run finds one as the last run left it.
+_DATA: dict[str, DataSet] = {}
 DATA_KEPT = 4  # at most this many: a Ray worker runs trial after trial of a sweep, mostly on one data set
 
 
@@ -60,6 +64,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def dtype_hint(model: torch.nn.Module, sample: torch.Tensor) -> str | None:
+    """What to cast when floating-point inputs and the model's parameters differ in precision
+    (float64 from numpy into a float32 model); None when they agree."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is None or not sample.is_floating_point() or param.dtype == sample.dtype:
+        return None
+    want = str(param.dtype).removeprefix("torch.")
+    return (f"the data's inputs are {str(sample.dtype).removeprefix('torch.')} and the model's parameters {want}: "
+            f"cast the inputs to {want} in the data set (numpy: x.astype(np.{want}); torch: x.to(torch.{want}))")
+
+
 def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> None:
     """Run the model once on the data's sample batch (eval mode, no gradients, no ORT export), so
     that a layer sized for other data is refused here rather than in the first training step.
@@ -80,7 +95,8 @@ def check_forward(model: torch.nn.Module, data: DataSet, cfg: DictConfig) -> Non
     except Exception as e:  # whatever the model's own code raises, the run would stop on it
         raise schema.ConfigError(
             f"model ({target}) cannot run on data's sample batch of shape {list(sample.shape)} "
-            f"({str(sample.dtype).removeprefix('torch.')}): {first_line(e)}; {size_hint(cfg)}") from None
+            f"({str(sample.dtype).removeprefix('torch.')}): {first_line(e)}; {dtype_hint(model, sample) or size_hint(cfg)}"
+        ) from None
     finally:
         model.train(was_training)
     if not isinstance(out, torch.Tensor):
@@ -193,11 +209,11 @@ class Job:
     backend: Any  # orchestrate.backends.base.Backend
     data: DataSet
     model: torch.nn.Module
-    out_dir: Path
+    out_dir: Path | None  # the run's folder; None: a checked job not yet placed in one (it writes nothing)
     parallel: Parallel = field(default_factory=Parallel)  # the runner's workers replace it
     resume_state: dict | None = None  # trainer.resume (or a restarted worker): the checkpoint to go on from
     # Every RNG state right after the model was built from the seed: a run that takes over the
-    # job its command checked (`moved_to`) starts from them, as if it had built the model itself.
+    # job its command checked (`Checked.take`) starts from them, as if it had built the model itself.
     rng_after_build: dict | None = None
     ray: str | None = None  # how the run got its Ray (orchestrate.ray_cluster.how): warm, cold, cluster; None: none
     # What the checks built that the run reuses instead of building it again, by the backend's
@@ -207,10 +223,11 @@ class Job:
     busy: float | None = None  # the cores other processes kept busy when first asked (`busy_cores`)
 
     @classmethod
-    def prepare(cls, cfg: DictConfig, out_dir: Path | str, models: dict | None = None,
+    def prepare(cls, cfg: DictConfig, out_dir: Path | str | None = None, models: dict | None = None,
                 parallel: Parallel | None = None, built: dict | None = None) -> "Job":
         """`build`, then `check`: the job of `cfg`, every refusal (schema.ConfigError) before any
-        compute; nothing is written. `models`: for checks only (app.check), models already built
+        compute; nothing is written (`out_dir` None: the job is only checked, and a run may take it
+        over: `Checked`). `models`: for checks only (app.check), models already built
         and run on their data, by config, reused instead of built again (the job is not run: a grid
         over the learning rate builds its model once); `built`: what the backends' checks built, shared
         the same way (the on-device artifacts of one model and backend setting, built once)."""
@@ -225,7 +242,7 @@ class Job:
         return job
 
     @classmethod
-    def build(cls, cfg: DictConfig, out_dir: Path | str, parallel: Parallel | None = None,
+    def build(cls, cfg: DictConfig, out_dir: Path | str | None = None, parallel: Parallel | None = None,
               model: torch.nn.Module | None = None) -> "Job":
         """The objects `cfg` describes, built and nothing checked: the backend, the data (once per
         process) and the model (from the seed: every backend starts from the same weights), or
@@ -244,7 +261,8 @@ class Job:
             seed_everything(cfg.trainer.seed)
             model = schema.build(cfg.model, "model")
             rng_after_build = checkpoints.rng_state()
-        return cls(cfg=cfg, backend=backend, data=data, model=model, out_dir=Path(out_dir),
+        return cls(cfg=cfg, backend=backend, data=data, model=model,
+                   out_dir=Path(out_dir) if out_dir is not None else None,
                    parallel=parallel or Parallel(), rng_after_build=rng_after_build)
 
     def check(self, model_checked: bool = False) -> None:
@@ -267,7 +285,7 @@ class Job:
         except ValueError as e:
             raise schema.ConfigError(str(e)) from None
 
-    def moved_to(self, cfg: DictConfig, out_dir: Path | str) -> "Job":
+    def placed(self, cfg: DictConfig, out_dir: Path | str) -> "Job":
         """This checked job for the run of `cfg` (the same config, as the run composed it),
         writing to `out_dir`: the same built backend, data and model (nothing is built twice),
         the RNG as it was right after the model's build."""
@@ -284,7 +302,7 @@ class Job:
         except (TypeError, ValueError):  # not a number: `check` refuses it, in the optimizer's own words
             self.lr = math.nan
         self.device = self.parallel.device or torch.device(self.trainer.device.value)
-        self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints",
+        self.checkpoints = Checkpoints(self.trainer, self.out_dir / "checkpoints" if self.out_dir else None,
                                        log_to_tracker=self.cfg.tracking.log_checkpoints, writer=self.parallel.logging,
                                        sample=lambda: self.data.sample_input().cpu().numpy())
         t, p = self.trainer, self.parallel
@@ -384,3 +402,33 @@ class Job:
             sample = self.data.sample_input().cpu().numpy()
             self.meter.tracker.log_model(path, sample, self.meter.step, self.registration())
         return path
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One config's check, which the run of that config takes over instead of building and
+    checking it again: the job, built and checked (placed in no folder yet), and for a tracked run
+    the MLflow run it logs into (orchestrate.tracking.run.RunChoice); or why the config was
+    refused. The command line hands it to its run (app.hydra_app), backend=auto to its probes."""
+
+    config: str  # the config as checked (YAML): a run of another config does not take it over
+    job: Job | None = None
+    run: Any = None  # orchestrate.tracking.run.RunChoice: which MLflow run; None for an untracked probe
+    refused: str | None = None  # the ConfigError's line (then no job)
+
+    @classmethod
+    def of(cls, cfg: DictConfig, prepare: Callable[[], Job], run: Callable[[], Any] = lambda: None) -> "Checked":
+        """`prepare()`'s job and `run()`'s answer for `cfg`, or the refusal either raised."""
+        try:
+            return cls(OmegaConf.to_yaml(cfg), prepare(), run())
+        except schema.ConfigError as e:
+            return cls(OmegaConf.to_yaml(cfg), refused=str(e))
+
+    def take(self, cfg: DictConfig, out_dir: Path | str) -> Job | None:
+        """The checked job for the run of `cfg` writing to `out_dir` (`Job.placed`), its refusal
+        raised again, or None when `cfg` is not the config checked (the run builds its own)."""
+        if self.config != OmegaConf.to_yaml(cfg):
+            return None
+        if self.refused is not None:
+            raise schema.ConfigError(self.refused)
+        return self.job.placed(cfg, out_dir)

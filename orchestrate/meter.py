@@ -49,7 +49,7 @@ def world_sizes(history: dict[str, list[tuple[int, float]]]) -> list[int]:
 
 
 class Meter:
-    def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path,
+    def __init__(self, trainer: TrainerConf, name: str, lr: float, samples_per_step: int, out_dir: Path | None,
                  tracker: Any = None, logging: bool = True, paused: Callable[[], float] = lambda: 0.0,
                  update_allowed: Callable[[bool, Callable], bool] = lambda finite, grads: finite,
                  agree: Callable[[bool], bool] = lambda flag: flag,

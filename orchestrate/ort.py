@@ -35,7 +35,9 @@ LEVELS = {"VERBOSE": logging.DEBUG, "DEVINFO": logging.INFO, "INFO": logging.INF
           "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 SEVERITIES = {"VERBOSE": 0, "DEVINFO": 1, "INFO": 1, "WARNING": 2, "ERROR": 3, "FATAL": 4}
 ORT_DEFAULT_SEVERITY = 2  # ORT's default logger starts at WARNING; ORT offers no way to read it back
-_default_severity = ORT_DEFAULT_SEVERITY  # as last set through set_default_severity
+# Module state: ORT's process-wide default logger severity as last set through set_default_severity
+# (ORT cannot read it back); orchestrate.process.kept puts it back after each run.
+_default_severity = ORT_DEFAULT_SEVERITY
 
 
 def configure(options: Any, intra_op_threads: int, allow_spinning: bool,

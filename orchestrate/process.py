@@ -3,7 +3,8 @@
 environment, Ray's settings, how much of ORT's output the console shows: `orchestrate.ort.quiet`),
 and MLflow's client settings (orchestrate.tracking.settings); a later run in the same process (a
 benchmark, a test, a sweep trial on Hydra's basic launcher, a Ray worker reused for the next
-trial) must not inherit them. While a run is open, SIGTERM stops it as Ctrl-C does (`stop_on_signals`).
+trial) must not inherit them. While a run is open, SIGTERM and SIGHUP stop it as Ctrl-C does
+(`stop_on_signals`).
 """
 
 import contextlib
@@ -16,14 +17,14 @@ from collections.abc import Iterator
 
 import torch
 
-from orchestrate import ort
+from orchestrate import ort, thirdparty
 
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
     """Restore torch's thread counts and TF32 flags, the environment variables, the
     logging setup (logger levels, handler filters, whether Python warnings go to logging), ORT's
-    default logger severity and the SIGINT and SIGTERM handlers on the way out (Ray Train's
+    default logger severity and the stop signals' handlers (STOP_SIGNALS) on the way out (Ray Train's
     `fit` installs a SIGINT handler of its own and never takes it back)."""
     threads, environ = torch.get_num_threads(), dict(os.environ)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # trainer.tf32
@@ -48,8 +49,15 @@ def kept() -> Iterator[None]:
                 os.environ[key] = value
 
 
-# What Ctrl-C (SIGINT), `docker stop`, Slurm's scancel and `ray job stop` (SIGTERM) send.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What Ctrl-C (SIGINT), `docker stop`, Slurm's scancel and `ray job stop` (SIGTERM), and a closed
+# terminal or a dropped SSH session (SIGHUP) send.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_signals() -> list[signal.Signals]:
+    """The STOP_SIGNALS a run takes here: all of them, but SIGHUP where it is ignored (`nohup`:
+    the user asked the run to outlive the terminal)."""
+    return [s for s in STOP_SIGNALS if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
 
 
 class Stopped(KeyboardInterrupt):
@@ -63,9 +71,9 @@ class Stopped(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM raise Stopped in the main thread (Python's default
-    SIGTERM ends the process on the spot: the MLflow run would stay RUNNING, Ray's processes
-    orphaned). The first signal stops the run; later ones, while it closes (the MLflow run's end,
+    """While the block runs, SIGINT, SIGTERM and SIGHUP (`stop_signals`) raise Stopped in the main
+    thread (Python's default SIGTERM and SIGHUP end the process on the spot: the MLflow run would
+    stay RUNNING, Ray's processes orphaned). The first signal stops the run; later ones, while it closes (the MLflow run's end,
     Ray's shutdown, each bounded), are reported and ignored: SIGKILL still ends it at once. The
     previous handlers come back on the way out. Elsewhere than the main thread (signals are
     delivered there only) nothing changes."""
@@ -83,7 +91,7 @@ def stop_on_signals() -> Iterator[None]:
         _received.append(signum)
         raise Stopped(signum)
 
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, stop) for s in stop_signals()}
     outer_stop, _stop = _stop, stop
     try:
         yield
@@ -93,8 +101,11 @@ def stop_on_signals() -> Iterator[None]:
         _received, _stop = outer, outer_stop
 
 
-_received: list[int] = []  # the signal that stopped the run in the innermost stop_on_signals block
-_stop = None  # that block's handler, which reinstall_handlers puts back
+# Module state: the signal that stopped the run in the innermost stop_on_signals block, and that
+# block's handler (which reinstall_handlers puts back: a signal handler is process-wide); the
+# block sets both and puts the outer block's back.
+_received: list[int] = []
+_stop = None
 
 
 def stopped_by() -> Stopped | None:
@@ -104,13 +115,13 @@ def stopped_by() -> Stopped | None:
 
 
 def reinstall_handlers() -> None:
-    """Put the run's SIGINT and SIGTERM handlers back in force, beneath Python too: `ray.init` sets
+    """Put the run's signal handlers (`stop_signals`) back in force, beneath Python too: `ray.init` sets
     a Python SIGTERM handler of its own (`sys.exit(15)`: the run would end FAILED), and Ray's core
     worker a native failure-signal handler that prints a stack trace and aborts, which Python would
     never hear of. Outside a stop_on_signals block, Python's current handlers are set again."""
     if not _main_thread():
         return
-    for signum in STOP_SIGNALS:
+    for signum in stop_signals():
         handler = _stop if _stop is not None else signal.getsignal(signum)
         if handler is not None:
             signal.signal(signum, handler)
@@ -128,7 +139,7 @@ def _logging_state() -> tuple[dict, dict, bool]:
     handlers = {h for x in loggers for h in x.handlers} | ({logging.lastResort} if logging.lastResort else set())
     # logging keeps warnings' own showwarning here while it captures them (None: it does not).
     return {x: x.level for x in loggers}, {h: list(h.filters) for h in handlers}, \
-        logging._warnings_showwarning is not None
+        thirdparty.captures_warnings()
 
 
 def _restore_logging(state: tuple[dict, dict, bool]) -> None:
@@ -145,5 +156,5 @@ def _restore_logging(state: tuple[dict, dict, bool]) -> None:
     for handler in logging.getLogger().handlers:
         if handler not in filters:
             handler.filters[:] = [f for f in handler.filters if not isinstance(f, ort.HideOrtOutput)]
-    if (logging._warnings_showwarning is not None) != capturing:
+    if thirdparty.captures_warnings() != capturing:
         logging.captureWarnings(capturing)

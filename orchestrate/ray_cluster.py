@@ -37,9 +37,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # hosts that mean this machine only
 EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_background`
-_LOCAL_SESSION = None  # the job id of the local Ray instance `init` started, while it runs
-_EARLY: "_EarlyStart | None" = None  # a start begun by `init_in_background`, not yet taken by `init`
-_WARM = None  # the address of the warm head (`orchestrate up`) `init` joined, while joined
+# Module state: Ray is process-wide (one `ray.init` per process), and so is what this module knows
+# of it: the job id of the local Ray instance `init` started, while it runs; a start begun by
+# `init_in_background`, not yet taken by `init`; the address of the warm head (`orchestrate up`)
+# `init` joined, while joined. `shutdown` (and `cancel_background_init`) clears them.
+_LOCAL_SESSION = None
+_EARLY: "_EarlyStart | None" = None
+_WARM = None
 
 
 class RayUnavailable(ValueError):

@@ -264,14 +264,17 @@ def check_tracking_names(tracking: DictConfig) -> None:
     if tracking.register_model is None and not tracking.tags:
         return  # (MLflow's import is not paid for a config that names nothing)
     from mlflow.exceptions import MlflowException
-    from mlflow.utils import validation  # MLflow's own checks: no public way to ask them
 
-    checks = [(f"tracking.tags: the key {key!r}", key, validation._validate_tag_name,
+    from orchestrate.thirdparty import mlflow_name_checks  # MLflow's own: no public way to ask them
+
+    tag_name, model_name = mlflow_name_checks()
+
+    checks = [(f"tracking.tags: the key {key!r}", key, tag_name,
                "a key of letters, digits, spaces and _ - . : /, not a path that leaves its folder")
               for key in tracking.tags]
     if tracking.register_model is not None:
         checks.append((f"tracking.register_model={tracking.register_model}", tracking.register_model,
-                       validation._validate_model_name,
+                       model_name,
                        "a non-empty name without '/' or ':', or null (logged, not registered)"))
     for shown, value, validate, allowed in checks:
         try:

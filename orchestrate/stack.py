@@ -122,7 +122,9 @@ def _read() -> Stack | None:
         return None
 
 
-_SAID: set[str] = set()  # stale records already reported by this process (one line each)
+# Module state: stale records already reported by this process (one line each per process, not
+# per call); it changes nothing a run does.
+_SAID: set[str] = set()
 
 
 def found() -> Stack | None:

@@ -19,12 +19,14 @@ when the server did not take it all, 2 for bad arguments.
 """
 
 import argparse
+import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 from orchestrate.redact import HIDDEN, redact_text
-from orchestrate.tracking.outbox import SENT_SUFFIX, UNSENT_FILE, cause, read_unsent, send_unsent
+from orchestrate.tracking.outbox import SENT_SUFFIX, UNSENT_FILE, ThreadFilter, cause, read_unsent, send_unsent
 
 
 def folder_uri(folder: Path) -> str | None:
@@ -50,6 +52,9 @@ def main(argv: list[str]) -> int:
 
     failed = False
     env_before = quick_http()  # a server still away answers within seconds, not minutes
+    # urllib3 says "Retrying ..." for each failed try: a server still away gets this command's one line.
+    quiet = ThreadFilter(threading.current_thread())
+    logging.getLogger("urllib3.connectionpool").addFilter(quiet)
     try:
         for folder in args.folders:
             path = folder / UNSENT_FILE
@@ -79,5 +84,6 @@ def main(argv: list[str]) -> int:
                 continue
             print(f"{folder}: sent {sent} item(s) to {redact_text(uri)}", flush=True)
     finally:
+        logging.getLogger("urllib3.connectionpool").removeFilter(quiet)
         set_env(env_before)
     return 1 if failed else 0

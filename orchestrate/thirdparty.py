@@ -96,6 +96,25 @@ INTERNALS = _listed({
         "hydra._internal.config_loader_impl:ConfigLoaderImpl",
     ),
     "job_error": ("hydra.core.utils:JobReturn._return_value",),
+    # Hydra's composition steps that a sweep's Composer repeats per trial (hydra_caching_repo, hydra_apply_overrides)
+    "hydra_caching_repo": ("hydra._internal.config_loader_impl:ConfigLoaderImpl._parse_overrides_and_create_caching_repo",),
+    "hydra_apply_overrides": ("hydra._internal.config_loader_impl:ConfigLoaderImpl._apply_overrides_to_config",),
+    # argparse lists a parser's options nowhere public (option_strings)
+    "option_strings": ("argparse:_ActionsContainer._actions*",),
+    # logging keeps whether it captures warnings in a module global (captures_warnings)
+    "captures_warnings": ("logging:_warnings_showwarning",),
+    # MLflow's own checks of names, run only once it is handed them (mlflow_name_checks)
+    "mlflow_name_checks": ("mlflow.utils.validation:_validate_tag_name",
+                           "mlflow.utils.validation:_validate_model_name"),
+    # a dataset as the entity MlflowClient.log_inputs takes (mlflow_dataset_entity)
+    "mlflow_dataset_entity": ("mlflow.data.dataset:Dataset._to_mlflow_entity",),
+    # an Optuna study's storage and ids, which a trial outside Study.optimize needs (optuna_storage, ...)
+    "optuna_storage": ("optuna.study.study:Study._storage*",),
+    "optuna_trial_id": ("optuna.study.study:Study._study_id*", "optuna.trial._trial:Trial._trial_id*"),
+    # ORT's C value under an OrtValue, what Module.copy_buffer_to_parameters takes (ort_c_value)
+    "ort_c_value": ("onnxruntime.capi.onnxruntime_inference_collection:OrtValue._ortvalue*",),
+    # ORTModule's logger, which its options set (ortmodule_logger)
+    "ortmodule_logger": ("onnxruntime.training.ortmodule.ortmodule:ORTModule._logger*",),
     # Hydra's own sweeper and launcher, named as config targets (GRID_SWEEPER, BASIC_LAUNCHER)
     "GRID_SWEEPER": ("hydra._internal.core_plugins.basic_sweeper:BasicSweeper",),
     "BASIC_LAUNCHER": ("hydra._internal.core_plugins.basic_launcher:BasicLauncher",),
@@ -179,6 +198,30 @@ def torch_onnx_opsets() -> tuple[int, int]:
     from torch.onnx import _constants
 
     return _constants.ONNX_MIN_OPSET, _constants.ONNX_MAX_OPSET
+
+
+def ort_c_value(value):
+    """The C value under an `OrtValue` (what the on-device API's `Module.copy_buffer_to_parameters`
+    takes: its Python wrapper passes it on as it is)."""
+    return value._ortvalue
+
+
+def ortmodule_logger(wrapped) -> logging.Logger:
+    """An ORTModule's logger: its banner and the exporter's warnings (which it collects from the
+    export) go there, at a level only its debug options set."""
+    return wrapped._logger
+
+
+def fused_step(optimizer, found_inf) -> None:
+    """One step of a fused optimizer (`fused=True`) that the device flag `found_inf` (a tensor,
+    nonzero: skip) skips on the device, its step count too: torch's GradScaler hands a fused
+    optimizer `grad_scale` and `found_inf` as attributes for the step (their protocol, public
+    nowhere), and takes them away after it."""
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 # ---- Ray and Ray Train ---------------------------------------------------------------------------
@@ -287,6 +330,19 @@ def optuna_grpc_proxy(storage, host: str):
     return server, pool, server.add_insecure_port(f"{host}:0")
 
 
+def optuna_storage(study):
+    """The storage object a study reads and writes through (the one its cache is in)."""
+    return study._storage
+
+
+def optuna_trial_id(study, number: int | None = None, trial=None) -> int:
+    """The storage's id of `trial`, or of the study's trial numbered `number` (a trial opened in
+    another process, outside Study.optimize)."""
+    if trial is not None:
+        return trial._trial_id
+    return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+
+
 # ---- submitit --------------------------------------------------------------------------------------
 
 def submitit_slurm_watcher(watcher=None):
@@ -326,6 +382,34 @@ def job_error(ret) -> BaseException:
     return ret._return_value
 
 
+def hydra_caching_repo(config_name: str | None):
+    """Hydra's config repository on the search path it builds for a composition of `config_name`
+    (which the primary config's `hydra.searchpath` may extend), as `@hydra.main` builds it; Hydra
+    initialized (orchestrate.config's `_hydra`)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return GlobalHydra.instance().config_loader()._parse_overrides_and_create_caching_repo(config_name, [])[1]
+
+
+def hydra_apply_overrides(overrides: list, cfg) -> None:
+    """Hydra's own application of parsed value overrides (`key=value`, `+key=value`, `~key`) to a
+    composed config, as its composition ends."""
+    hydra_internals().ConfigLoaderImpl._apply_overrides_to_config(overrides, cfg)
+
+
+def option_strings(parser) -> list[str]:
+    """An argparse parser's options, each as "-s/--long"."""
+    return ["/".join(a.option_strings) for a in parser._actions if a.option_strings]
+
+
+# ---- the standard library ------------------------------------------------------------------------
+
+def captures_warnings() -> bool:
+    """Whether `logging.captureWarnings(True)` is in force (logging keeps warnings' own
+    showwarning while it is, and says so nowhere public)."""
+    return logging._warnings_showwarning is not None
+
+
 # ---- MLflow ----------------------------------------------------------------------------------------
 
 def mlflow_initialize_tables(engine) -> None:
@@ -359,6 +443,20 @@ def onnx_flavor_without_runtime() -> Iterator[None]:
     finally:
         mlflow.onnx._validate_onnx_session_options = check
         mismatches.setLevel(level)
+
+
+def mlflow_name_checks() -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """MLflow's own checks of a tag's key and of a registered model's name (each raises
+    MlflowException), which it runs only when it is handed them: at the run's start, at its end."""
+    from mlflow.utils import validation
+
+    return validation._validate_tag_name, validation._validate_model_name
+
+
+def mlflow_dataset_entity(dataset):
+    """An MLflow dataset as the entity a `DatasetInput` holds (MlflowClient.log_inputs takes only
+    those; mlflow.log_input makes it privately)."""
+    return dataset._to_mlflow_entity()
 
 
 def mlflow_store_schemes() -> set[str]:

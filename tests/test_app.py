@@ -157,10 +157,10 @@ def test_a_backend_that_cannot_resume_is_refused_naming_those_that_can(make_cfg,
     monkeypatch.setattr(OnDeviceBackend, "resumable", False)
     with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend=ondevice cannot load its checkpoints "
                                                  "to continue; allowed with backend=compile, ortmodule, runner, torch$"):
-        Job.prepare(make_cfg("backend=ondevice", "trainer.resume=auto"), "unused")
+        Job.prepare(make_cfg("backend=ondevice", "trainer.resume=auto"))
     with pytest.raises(schema.ConfigError, match="^trainer.resume=auto: backend.engine=ondevice cannot continue from "
                                                  "a checkpoint; allowed engines: compile, ortmodule, torch$"):
-        Job.prepare(make_cfg("backend=runner", "backend.engine=ondevice", "trainer.resume=auto"), "unused")
+        Job.prepare(make_cfg("backend=runner", "backend.engine=ondevice", "trainer.resume=auto"))
 
 
 def test_resume_of_a_finished_config_starts_a_new_run(make_cfg, tmp_path):

@@ -65,7 +65,7 @@ def test_two_busy_processes_on_two_cores_leave_one_thread(make_cfg):
     try:
         time.sleep(0.3)
         busy = cpu.busy_elsewhere(0.3)
-        job = Job.build(make_cfg("backend=torch"), "unused")
+        job = Job.build(make_cfg("backend=torch"))
         budget = job.backend.budget(job)
     finally:
         for p in spinning:
@@ -138,7 +138,7 @@ def test_a_ray_task_gets_the_cpus_ray_gave_it(ray_shared):
 def test_every_backend_splits_this_machines_cores_by_the_rule(backend, make_cfg):
     """The split each backend trains with on this machine, on data a loader reads: threads +
     loader processes never above the cores (the runner's: one worker's backend.cpus_per_worker)."""
-    job = Job.build(make_cfg(f"backend={backend}", MAP_DATA), "unused")
+    job = Job.build(make_cfg(f"backend={backend}", MAP_DATA))
     budget = job.backend.budget(job)
     cores = int(job.backend.cpus_per_worker) if job.backend.distributed else len(os.sched_getaffinity(0))
     assert budget.cores == cores

@@ -5,6 +5,8 @@ PyTorch's default threads and an unchanged environment (as `benchmarks/backends.
 import io
 import logging
 import os
+import signal
+import time
 import warnings
 
 import pytest
@@ -82,3 +84,29 @@ def test_ortmodule_then_torch_in_one_process(make_cfg, tmp_path, monkeypatch):
     (name, torch_threads, torch_env), = seen.seen
     assert (name, torch_threads) == ("torch", threads)  # PyTorch's default, not ORTModule's one thread
     assert not any(k.startswith("ORTMODULE_") for k in torch_env)
+
+
+def test_sighup_stops_a_run_as_sigterm_does():
+    """A closed terminal or a dropped SSH session: the run is stopped (its MLflow run KILLED, as
+    `stop_on_signals`' Stopped ends it), not ended on the spot."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(process.Stopped) as stopped, process.stop_on_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(5)  # the handler raises before this ends
+        assert stopped.value.signum == signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # given back
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_run_under_nohup_goes_on_ignoring_sighup():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with process.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            process.reinstall_handlers()
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -1,5 +1,5 @@
-"""Stopping a run from outside: SIGINT (Ctrl-C) and SIGTERM (`docker stop`, Slurm, `ray job stop`)
-end a real `python -m orchestrate` run on every backend with its MLflow run KILLED, its processes
+"""Stopping a run from outside: SIGINT (Ctrl-C), SIGTERM (`docker stop`, Slurm, `ray job stop`) and
+SIGHUP (a closed terminal) end a real `python -m orchestrate` run on every backend with its MLflow run KILLED, its processes
 gone and its last checkpoint loadable; `trainer.resume=auto` then finishes the same run, the old
 `error` tag gone. A full disk under the checkpoints fails the run with one line and keeps the last
 finished checkpoint.
@@ -171,7 +171,8 @@ CASES = [pytest.param(("runner-workers", signal.SIGINT), marks=WORKER_GROUP, id=
          pytest.param(("ortmodule", signal.SIGTERM), marks=long("torch-SIGTERM"), id="ortmodule-SIGTERM"),
          pytest.param(("runner", signal.SIGTERM), id="runner-SIGTERM"),
          pytest.param(("ondevice", signal.SIGTERM), id="ondevice-SIGTERM"),
-         pytest.param(("torch", signal.SIGINT), id="torch-SIGINT")]
+         pytest.param(("torch", signal.SIGINT), id="torch-SIGINT"),
+         pytest.param(("torch", signal.SIGHUP), id="torch-SIGHUP")]  # a closed terminal, a dropped SSH session
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """orchestrate.thirdparty holds every use of another library's internals. Each private name it
 lists exists in the installed (pinned) versions, so that a pin that moves and drops one fails
 here first, naming the function that needs it; and no other module of the package reaches into a
-private module or assigns a private attribute of another library's object."""
+private module, or reads, calls or assigns a private attribute of another library's object."""
 
 import ast
 import importlib
@@ -17,8 +17,11 @@ from tests.conftest import ROOT
 EXCEPTIONS = {"hydra_plugins/orchestrate_grid_sweeper/grid_sweeper.py": "hydra._internal.core_plugins.basic_sweeper"}
 
 
-# Names read only where ORTModule runs (ORT's training build, torch 2.6): the current stack has neither.
-ORT_ONLY = {"ortmodule_session_options", "standard_symbolics"}
+# Private-looking names that are public: documented in their library's reference.
+PUBLIC = {"os._exit"}
+
+# Names read only where ORT's training build runs: the current stack has none.
+ORT_ONLY = {"ortmodule_session_options", "standard_symbolics", "ortmodule_logger", "ort_c_value"}
 
 
 @pytest.mark.parametrize("internal", [pytest.param(i, marks=[pytest.mark.ort] if i.used_by in ORT_ONLY else [])
@@ -49,11 +52,22 @@ def test_every_private_module_the_package_imports_is_listed():
                 f"thirdparty imports {module}, which INTERNALS does not list"
 
 
+def is_private(attribute: str) -> bool:
+    """`_name`, not `__dunder__` nor a Hydra config key (`_target_`, `_partial_`)."""
+    return attribute.startswith("_") and not attribute.startswith("__") and not attribute.endswith("_")
+
+
 def private_uses(path) -> list[str]:
-    """Imports of a private module (a dotted part that starts with `_`) and assignments to a
-    private attribute of an object that is not `self` or `cls`, in the file at `path`."""
+    """Imports of a private module (a dotted part that starts with `_`), and reads, calls and
+    assignments of a private attribute of an object that is not `self` or `cls`, in the file at
+    `path`."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and is_private(node.attr) \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                and ast.unparse(node) not in PUBLIC:
+            found.append(f"line {node.lineno}: reads {ast.unparse(node)}")
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
@@ -87,3 +101,11 @@ def test_no_other_module_reaches_into_a_private_name():
             if uses:
                 offenders[relative] = uses
     assert not offenders, f"private names used outside orchestrate/thirdparty.py: {offenders}"
+
+
+def test_the_check_catches_reads_calls_and_assignments_of_private_names(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("study._storage.get_trial(1)\nerror = ret._return_value\nobj._level = 1\n"
+                      "self._mine = cls._ours\ncfg._target_\nos._exit(0)\nfrom ray._private import worker\n")
+    assert sorted(private_uses(sample)) == ["line 1: reads study._storage", "line 2: reads ret._return_value",
+                                            "line 3: assigns ._level", "line 7: imports ray._private"]

@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from orchestrate import checkpoints, errors, process, schema
 from orchestrate.backends.base import Backend, backend_configs
-from orchestrate.job import Job
+from orchestrate.job import Checked, Job
 from orchestrate.meter import Diverged
 from orchestrate.parallel import Parallel
 from orchestrate.schema import ABOVE_0, AT_LEAST_1, ConfigError
@@ -81,9 +81,9 @@ class AutoBackend(Backend):
         # `found`'s answers, by flags: `check` and `fit` both ask (composing a backend file costs
         # about 0.07 s), and the candidates a run was checked with are those it probes.
         self._found: dict[tuple[str, ...], dict[str, DictConfig]] = {}
-        # `check_candidates`' answers, by candidate: (its probe config as YAML, the checked probe
-        # job or the refusal's line). The probes of `choose` take them: each candidate is built once.
-        self._checked: dict[str, tuple[str, Job | str]] = {}
+        # `check_candidates`' answers, by candidate (its probe config's job, checked, or the
+        # refusal). The probes of `choose` take them over: each candidate is built once.
+        self._checked: dict[str, Checked] = {}
 
     def check_precision(self, job) -> None:
         """Nothing here: each candidate checks trainer.precision as its probe is built
@@ -135,8 +135,8 @@ class AutoBackend(Backend):
         with rng_kept():
             for name, node in found.items():
                 cfg = self.probe_config(job.cfg, node)
-                self._checked[name] = (OmegaConf.to_yaml(cfg), checked_probe(cfg, cores, job.busy_cores))
-        reasons = {name: self._checked[name][1] if isinstance(self._checked[name][1], str) else None for name in found}
+                self._checked[name] = checked_probe(cfg, cores, job.busy_cores)
+        reasons = {name: self._checked[name].refused for name in found}
         if all(reasons.values()):
             raise none_takes(what, reasons)
 
@@ -161,9 +161,8 @@ class AutoBackend(Backend):
                                                       f"({cheapest.run_s(after_warmup):.2f} s)"))
                     continue
                 cfg = self.probe_config(job.cfg, found[name])
-                checked, checked_job = self._checked.pop(name, (None, None))
-                probes.append(probe(name, cfg, cheapest, after_warmup,
-                                    checked_job if checked == OmegaConf.to_yaml(cfg) else None, cores, job.busy_cores))
+                probes.append(probe(name, cfg, cheapest, after_warmup, self._checked.pop(name, None), cores,
+                                    job.busy_cores))
         choice = judge(probes, self.reference, self.tolerance, what, after_warmup)
         seconds = time.perf_counter() - began
         text = (f"{what}: {self.warmup_steps} warm-up + {self.probe_steps} timed steps per candidate, from the same "
@@ -269,17 +268,14 @@ def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_ste
     return probe
 
 
-def checked_probe(cfg: DictConfig, cores: float | None = None, busy: Callable[[], float] | None = None) -> Job | str:
+def checked_probe(cfg: DictConfig, cores: float | None = None, busy: Callable[[], float] | None = None) -> Checked:
     """The probe config's job, built and checked as its probe runs it (on `cores` CPUs: Aside),
     or why its backend refuses it (its ConfigError's line)."""
-    try:
-        return Job.prepare(cfg, out_dir="unused", parallel=Aside(cores, busy))
-    except ConfigError as e:
-        return str(e)
+    return Checked.of(cfg, lambda: Job.prepare(cfg, parallel=Aside(cores, busy)))
 
 
 def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmup: int = 0,
-          checked: Job | str | None = None, cores: float | None = None,
+          checked: Checked | None = None, cores: float | None = None,
           busy: Callable[[], float] | None = None) -> Probe:
     """Train the probe config `cfg` aside and measure it; stopped early once its run (warm-up and
     `after_warmup` steps) costs more than `cheapest`'s (the cheapest probe that finished before
@@ -289,9 +285,7 @@ def probe(name: str, cfg: DictConfig, cheapest: Probe | None = None, after_warmu
     result = Probe(name)
     with tempfile.TemporaryDirectory(prefix=f"auto_probe_{name}_") as folder, process.kept():
         try:
-            if isinstance(checked, str):
-                raise ConfigError(checked)
-            job = checked.moved_to(cfg, folder) if checked is not None else \
+            job = (checked.take(cfg, folder) if checked is not None else None) or \
                 Job.prepare(cfg, folder, parallel=Aside(cores, busy))
         except ConfigError as e:
             result.verdict = f"refused: {e}"

@@ -60,7 +60,7 @@ class CompileBackend(TorchBackend):
         # TorchDynamo keeps what it compiled per code object, up to a limit of recompilations,
         # then runs that code eagerly: a sweep's trials and auto's probes in one process each
         # compile their own model, so each run starts with its caches empty.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         self._clock = None
         return torch.compile(model, mode=self.mode, dynamic=self.dynamic, fullgraph=self.fullgraph)
 

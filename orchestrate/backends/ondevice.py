@@ -21,7 +21,7 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, extras, losses, ort, process
+from orchestrate import checkpoints, extras, losses, ort, process, thirdparty
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import declare_shape, export_for_training
 from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, shown, target_of
@@ -32,6 +32,8 @@ from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, show
 OPTIMIZERS = {torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
               torch.optim.SGD: ("lr", "momentum", "weight_decay")}
 ADAMW_MODES = {"torch": 0, "hf": 1}  # the AdamWOptimizer op's adam_mode attribute
+# torch's BatchNorm layers (a lazy one becomes one of these at its first forward, which the check runs).
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 def opset_range(model: torch.nn.Module) -> tuple[int, int, str]:
@@ -196,7 +198,7 @@ class OnDeviceBackend(Backend):
             # torch's export for training gets both wrong: momentum=None (a cumulative average) is
             # traced as one fixed momentum, silently; a BatchNorm without running statistics does
             # not export with a symbolic batch size.
-            batch_norm = isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            batch_norm = isinstance(m, BATCH_NORMS)
             if batch_norm and (m.momentum is None or not m.track_running_stats):
                 raise ConfigError(f"model={job.cfg.model._target_}: its BatchNorm {name} has momentum={m.momentum} and "
                                   f"track_running_stats={m.track_running_stats}; backend=ondevice trains BatchNorm "
@@ -496,7 +498,7 @@ class Averaging:
         if averaging:  # federated averaging: every N updates all ranks take the mean model
             self.parallel.all_reduce_(params)
             params /= self.world
-            module.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(params.numpy())._ortvalue,
+            module.copy_buffer_to_parameters(thirdparty.ort_c_value(OrtValue.ortvalue_from_numpy(params.numpy())),
                                              trainable_only=True)
         if display:
             self.job.meter.log({"train/param_norm": params.norm().item(),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from orchestrate import extras, ort
+from orchestrate import extras, ort, thirdparty
 from orchestrate.backends.torch import TorchBackend, export_for_training
 from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
@@ -193,7 +193,9 @@ def torch_too_new(version: str, key: str = "backend") -> str | None:
 
 
 ORTMODULE_OPSET = 17  # onnxruntime-training 1.19.2's ORTModule exports at this opset (ORTMODULE_ONNX_OPSET_VERSION)
-_EXPORTS: dict[tuple[str, int], str | None] = {}  # (model config, opset) -> why it does not export, or None
+# Module state: (model config, opset) -> why it does not export, or None. Asked once per process
+# (an export takes seconds, and a sweep checks every trial's config); answers that change no run.
+_EXPORTS: dict[tuple[str, int], str | None] = {}
 
 
 @dataclass
@@ -253,7 +255,8 @@ class ORTModuleBackend(TorchBackend):
         wrapped = ORTModule(model, debug)
         # Its logger at WARNING at most: the banner and the exporter's warnings (which ORTModule
         # collects from the export and logs at WARNING) reach the log file whatever backend.log_level.
-        wrapped._logger.setLevel(min(wrapped._logger.level, logging.WARNING))
+        logger = thirdparty.ortmodule_logger(wrapped)
+        logger.setLevel(min(logger.level, logging.WARNING))
         self._set_threads(wrapped, job.cpu.threads)
         return wrapped
 

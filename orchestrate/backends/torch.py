@@ -19,7 +19,7 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, losses, ort
+from orchestrate import checkpoints, losses, ort, thirdparty
 from orchestrate.backends.base import Backend
 from orchestrate.prefetch import DeviceBatches
 from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
@@ -145,11 +145,7 @@ def update(optimizer, scaler, held) -> None:
     if held is True:
         return
     if held is not False and not scaler.is_enabled():
-        optimizer.grad_scale, optimizer.found_inf = None, held
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
+        thirdparty.fused_step(optimizer, found_inf=held)
         return
     if held is not False:
         grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)

@@ -153,7 +153,9 @@ def resources_of(conf) -> dict:
     return {k: v for k, v in (("CPU", conf.cpus_per_trial), ("GPU", conf.gpus_per_trial)) if v}
 
 
-_READY = threading.Lock()  # held while a launcher starts Ray and checks the placement
+# Module state: held while a launcher starts Ray and checks the placement (the asynchronous Optuna
+# sweeper launches from several threads of one process); held only within a call.
+_READY = threading.Lock()
 
 
 def ready(launcher) -> None:
@@ -268,10 +270,10 @@ def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
             log.info(f"\t#{job.idx} : {job.shown} COMPLETED after {time.perf_counter() - began:.1f} s")
             submit_more(ahead)
             continue
-        log.error(f"\t#{job.idx} : {job.shown} FAILED: {ret._return_value}")
+        log.error(f"\t#{job.idx} : {job.shown} FAILED: {thirdparty.job_error(ret)}")
         if conf.fail_fast:
             stop()
-            raise ret._return_value
+            raise thirdparty.job_error(ret)
         submit_more(ahead)
     barrier.wait(marked)
     return [returns[job.idx] for job in jobs]
@@ -355,8 +357,10 @@ def print_plan(jobs: list[Job], conf, resources: dict) -> None:
     sys.stdout.flush()
 
 
+# Module state: [the OutputBarrier in use, how many launches use it], shared by the concurrent
+# launches of one sweep (one barrier orders their trials' output); the last launch to end removes it.
 _BARRIER_LOCK = threading.Lock()
-_BARRIER: list = []  # [the OutputBarrier in use, how many launches use it]
+_BARRIER: list = []
 
 
 @contextlib.contextmanager

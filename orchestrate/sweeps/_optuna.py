@@ -165,7 +165,7 @@ def served(study, host: str) -> Iterator[str]:
     machine's address toward them), while the block runs: yields the URL the trials open
     (orchestrate.sweeps.pruning). The proxy serves the sweeper's own storage object, so both see
     one cache; its threads end with it."""
-    server, pool, port = thirdparty.optuna_grpc_proxy(study._storage, host)
+    server, pool, port = thirdparty.optuna_grpc_proxy(thirdparty.optuna_storage(study), host)
     server.start()
     log.info(f"Optuna study served to the trials' hosts on {host}:{port} (gRPC)")
     try:
@@ -398,8 +398,9 @@ def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
 
     if ret.status == JobStatus.FAILED:
         study.tell(trial, state=TrialState.FAIL)
-        return Outcome(trial.number, overrides, "FAIL", error=ret._return_value)
-    pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT)
+        return Outcome(trial.number, overrides, "FAIL", error=thirdparty.job_error(ret))
+    pruned_at = thirdparty.optuna_storage(study).get_trial(thirdparty.optuna_trial_id(study, trial=trial)) \
+        .user_attrs.get(PRUNED_AT)
     if pruned_at is not None:
         frozen = study.tell(trial, state=TrialState.PRUNED)  # its value: the last one it reported
         return Outcome(trial.number, overrides, "PRUNED", frozen.value, int(pruned_at))

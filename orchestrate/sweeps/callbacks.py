@@ -28,10 +28,13 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate.thirdparty import job_error
 from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.settings import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
 
-_OPEN: list["SweepTracking"] = []  # sweeps opened by this process and not closed yet
+# Module state: sweeps opened by this process and not closed yet (Hydra calls on_multirun_end only
+# when the sweeper returns); cli.main closes those still open (`close_open_sweeps`), which empties it.
+_OPEN: list["SweepTracking"] = []
 
 
 @dataclass
@@ -95,12 +98,12 @@ class SweepTracking(Callback):
             if self._sweep is not None and job_return.status == JobStatus.FAILED:
                 # In the launching process: a job whose process died (its host lost) before its own
                 # on_job_end could close its run, as orchestrate's Ray launcher reports it.
-                self._sweep.lost(config.hydra.job.num, job_return._return_value)
+                self._sweep.lost(config.hydra.job.num, job_error(job_return))
             return
         try:
             from orchestrate.sweeps import _runs
 
-            failed = job_return._return_value if job_return.status == JobStatus.FAILED else None
+            failed = job_error(job_return) if job_return.status == JobStatus.FAILED else None
             _runs.close_trial(self.parent.uri, job.run_id, failed)
         finally:
             self._restore()

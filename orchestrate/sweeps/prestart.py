@@ -26,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 WARM_MODULES = ("orchestrate.app",)  # what a trial imports first: the app, with torch, MLflow, Hydra
 RAY_LAUNCHER = "OrchestrateRayLauncher"
 WARM_UP_TIMEOUT_S = 60  # the longest the launcher waits for the warm-ups (then it goes on without them)
-_SERVERS: dict = {}  # store URI -> its TrackingServer, started early and not taken yet
+# Module state: store URI -> its TrackingServer, started beside the check and not taken yet by the
+# sweep's callbacks (Hydra builds them: they cannot be handed it); `release` stops any left.
+_SERVERS: dict = {}
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate.sweeps._summary import history_key
+from orchestrate.thirdparty import optuna_trial_id
 
 SWEEPER = "hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper.OrchestrateOptunaSweeper"
 PRUNED_AT = "pruned_at"  # the Optuna trial's user attribute: the step its run stopped at
@@ -67,7 +68,7 @@ class Trial:
             self._storage = opened(self.storage)
             study = optuna.load_study(study_name=self.study_name, storage=self._storage,
                                       pruner=instantiate(self.pruner) if self.pruner else None)
-            trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, self.number)
+            trial_id = optuna_trial_id(study, self.number)
             self._trial = optuna.trial.Trial(study, trial_id)
         return self._trial
 

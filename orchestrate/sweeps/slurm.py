@@ -36,7 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 ROUTED = ("submitit", __name__)  # the loggers whose records go to the sweep's submitit.log
 COMMAND_TIMEOUT_S = 60  # one sacct, squeue or scancel call
-_SWEEP: "_Installed | None" = None  # the Slurm sweep this process launched, while it runs
+# Module state: the Slurm sweep this process launched, while it runs (Hydra's launcher returns
+# at the first failed job); `settle` (cli.main's end) waits for its jobs and clears it.
+_SWEEP: "_Installed | None" = None
 
 
 def is_slurm(config: DictConfig) -> bool:

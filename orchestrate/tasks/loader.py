@@ -26,6 +26,9 @@ Dataset in `MapData` with its defaults.)
 - **Refused up front** (before any run opens, one line naming the class and the index): items
   that are not (input, target) pairs of tensors or arrays, items that do not stack into a batch
   (the first against the last), and a `__len__` that counts items `__getitem__` does not serve.
+- **An item that fails mid-run** (a file gone, a corrupt record) ends the run with one line that
+  names the Dataset's class, the index and the original error (`ItemError`), whichever process
+  read it.
 """
 
 from collections.abc import Iterator, Sequence
@@ -37,6 +40,39 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from orchestrate import cpu, losses
 from orchestrate.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, SEED
+
+
+class ItemError(Exception):
+    """An item `__getitem__` could not serve: `Class[index]: OriginalError: its first line`. Raised
+    in a loader process, torch raises it again here with the worker's traceback as its message
+    ("Caught ItemError in DataLoader worker process N. Original Traceback ..."): the line is taken
+    back from that traceback's last line, and the traceback kept as a note (for the run's log)."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            traceback = message
+            message = message.rstrip().splitlines()[-1].partition(": ")[2]
+            self.add_note(traceback)
+        super().__init__(message)
+
+
+class Items(Dataset):
+    """The user's Dataset as the loader reads it: an item that raises is an ItemError naming the
+    class and the index (a Subset's: the index in the Dataset it is cut from)."""
+
+    def __init__(self, dataset: Dataset, name: str):
+        self.dataset, self.name = dataset, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        try:
+            return self.dataset[index]
+        except Exception as e:  # noqa: BLE001 - whatever __getitem__ raised is the reason
+            shown = self.dataset.indices[index] if isinstance(self.dataset, torch.utils.data.Subset) else index
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ItemError(f"{self.name}[{shown}]: {type(e).__name__}{': ' + first if first else ''}") from e
 
 
 class MapData:
@@ -121,7 +157,7 @@ class MapData:
 
     def _make_loader(self, batches: Sampler, dataset: Dataset | None = None) -> DataLoader:
         workers = self.processes
-        return DataLoader(dataset if dataset is not None else self.dataset, batch_sampler=batches,
+        return DataLoader(Items(dataset if dataset is not None else self.dataset, self.name), batch_sampler=batches,
                           num_workers=workers, prefetch_factor=self.prefetch_factor if workers else None,
                           collate_fn=pair, persistent_workers=False)
 

@@ -13,6 +13,8 @@ def dataset_inputs(data, name: str) -> list:
     import mlflow.data
     from mlflow.entities import DatasetInput, InputTag
 
+    from orchestrate.thirdparty import mlflow_dataset_entity
+
     found = []
     for split in ("train", "eval"):
         x, y = getattr(data, f"x_{split}", None), getattr(data, f"y_{split}", None)
@@ -22,7 +24,7 @@ def dataset_inputs(data, name: str) -> list:
             dataset = described(data.described(split), name)
         else:
             continue
-        found.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(CONTEXT, split)]))
+        found.append(DatasetInput(mlflow_dataset_entity(dataset), tags=[InputTag(CONTEXT, split)]))
     return found
 
 

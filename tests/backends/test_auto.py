@@ -126,7 +126,7 @@ def test_auto_trains_in_a_precision_only_some_candidates_take(tmp_path):
 ])
 def test_bad_auto_settings_are_refused_before_any_run(overrides, message, make_cfg):
     with pytest.raises(schema.ConfigError, match=message):
-        Job.prepare(make_cfg("backend=auto", *QUICK, *overrides), "unused")
+        Job.prepare(make_cfg("backend=auto", *QUICK, *overrides))
 
 
 def probes(*specs: tuple) -> list[Probe]:

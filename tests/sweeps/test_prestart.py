@@ -64,8 +64,8 @@ def test_a_data_set_is_built_once_per_config():
 
 
 def test_a_check_builds_a_model_once_per_model_data_and_seed():
-    checked = app.Checked()
+    cache = app.CheckCache()
     for lr in (0.1, 0.2):
-        app.check(load_config(here(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"])), checked)
-    app.check(load_config(here(["data=synthetic", "trainer=quick", "model.hidden=[4]"])), checked)
-    assert len(checked.models) == 2
+        app.check(load_config(here(["data=synthetic", "trainer=quick", f"optimizer.lr={lr}"])), cache)
+    app.check(load_config(here(["data=synthetic", "trainer=quick", "model.hidden=[4]"])), cache)
+    assert len(cache.models) == 2

@@ -4,6 +4,7 @@ trained on every backend, resumed exactly, with the process's memory independent
 size."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from orchestrate.tasks.data import TensorData
 from orchestrate.tasks.loader import MapData
 from orchestrate.tasks.shards import ShardWindows, write_shards
 from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
+from tests.helpers import exit_code
 
 # ---- MapData on small in-memory Datasets -----------------------------------------------------------
 
@@ -112,7 +114,49 @@ def test_a_dataset_that_does_not_serve_what_it_promises_is_refused_naming_the_cl
         dataset, message, make_cfg):
     """`data._target_` at a Dataset of the user's own: wrapped in MapData, refused before any run."""
     with pytest.raises(schema.ConfigError, match=message):
-        Job.prepare(make_cfg(f"data._target_={__name__}.{type(dataset).__name__}"), "unused")
+        Job.prepare(make_cfg(f"data._target_={__name__}.{type(dataset).__name__}"))
+
+
+class FailsAt(Pairs):
+    """Item 57 is a file that cannot be read."""
+
+    def __getitem__(self, i):
+        if i == 57:
+            raise OSError(f"[Errno 5] Input/output error: '/data/items/{i}.npy'\n(more lines of the error)")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_item_that_fails_mid_run_is_named_with_its_class_index_and_error(workers, monkeypatch, tmp_path, capsys):
+    """The run ends with one line naming the Dataset's class, the index and the original error,
+    whether a loader process read the item or the run's own."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "failing.yaml").write_text(
+        f"_target_: orchestrate.tasks.loader.MapData\ndataset: {{_target_: {__name__}.FailsAt}}\nnum_workers: {workers}\n")
+    assert exit_code(monkeypatch, "--config-dir", "conf", "data=failing", "model.in_features=4", "model.out_features=3",
+                     "backend=torch", "trainer=quick", "hydra.run.dir=out") == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.match(r"error: ItemError: FailsAt\[57\]: OSError: \[Errno 5\] Input/output error: "
+                    r"'/data/items/57\.npy'( \(.*test_loader\.py:\d+\))? at step \d+; ", line), line
+    assert "the MLflow run" in line and "marked FAILED" in line, line
+
+
+class Float64Pairs(Pairs):
+    def __getitem__(self, i):
+        return np.full(4, float(i)), i % 3  # numpy's default: float64
+
+
+def test_float64_inputs_to_a_float32_model_are_refused_saying_what_to_cast(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(monkeypatch, f"data._target_={__name__}.Float64Pairs", "model.in_features=4",
+                     "model.out_features=3", "backend=torch", "trainer=quick") == 2
+    err = capsys.readouterr().err
+    assert "error: model (orchestrate.tasks.models.MLP) cannot run on data's sample batch of shape [2, 4] (float64): " \
+           in err, err
+    assert err.rstrip().endswith("the data's inputs are float64 and the model's parameters float32: cast the inputs "
+                                 "to float32 in the data set (numpy: x.astype(np.float32); torch: x.to(torch.float32))"), err
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra made a folder
 
 
 # ---- token shards on disk ------------------------------------------------------------------------
@@ -143,7 +187,7 @@ def test_windows_are_read_from_the_files_and_never_cross_a_shard(shards):
 def test_missing_shards_are_refused_with_the_command_that_writes_them(make_cfg, tmp_path):
     with pytest.raises(schema.ConfigError, match=rf"data.folder={tmp_path}: no \*.bin token shards there; write "
                                                  rf"them with python -m orchestrate.tasks.shards {tmp_path}$"):
-        Job.prepare(make_cfg(*shard_overrides(tmp_path)), "unused")
+        Job.prepare(make_cfg(*shard_overrides(tmp_path)))
 
 
 SINGLE = [b for b in BACKENDS if b not in ("runner", "auto")]

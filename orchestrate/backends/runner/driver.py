@@ -60,7 +60,9 @@ from orchestrate.thirdparty import ray_train_signals_to
 from orchestrate.tracking.stores import absolute_uri
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement group strategies
-_ENGINES: dict[str, dict] = {}  # engine name -> its backend config, composed once per process
+# Module state: engine name -> its backend config, composed once per process (each check asks);
+# read-only answers that change no run.
+_ENGINES: dict[str, dict] = {}
 
 
 def engine_config(name: str) -> DictConfig:
@@ -203,7 +205,7 @@ class RunnerBackend(Backend):
             engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
-        storage.resolve(self.storage_path, job.out_dir)  # a scheme it does not take: refused before Ray starts
+        storage.check(self.storage_path)  # a scheme it does not take: refused before Ray starts
         if self.placement_strategy not in STRATEGIES:
             raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
         if t.resume and not engine.resumable:
@@ -443,7 +445,9 @@ def _in_driver(num_workers: int, ray_address: str | None, use_gpu: bool) -> bool
 
 
 ABORT_WAIT_S = 30.0
-# The Ray Train controllers of runs stopped by a signal inside a `connect` block, aborted at its end.
+# Module state: the Ray Train controllers of runs stopped by a signal inside a `connect` block
+# (the signal handler cannot abort them: it must return at once), aborted at the block's end,
+# which resets it.
 _STOPPED_RUNS: contextvars.ContextVar[list] = contextvars.ContextVar("stopped_runs")
 
 

@@ -44,16 +44,21 @@ class Storage:
         return f"{KEY}={self.given}" if self.given else f"{KEY} (unset: the run's output folder {self.path})"
 
 
+def check(storage_path: str | None) -> None:
+    """ConfigError for a `backend.storage_path` whose scheme this does not take."""
+    if storage_path and "://" in storage_path and not storage_path.startswith("s3://"):
+        scheme = storage_path.split("://")[0]
+        raise ConfigError(f"{KEY}={storage_path}: {scheme}:// is not supported here; allowed: a folder, or "
+                          "s3://bucket/prefix")
+
+
 def resolve(storage_path: str | None, out_dir: Path) -> Storage:
     """The storage `backend.storage_path` names, for a run whose output folder is `out_dir`."""
+    check(storage_path)
     if not storage_path:
         return Storage(str((out_dir / "ray").resolve()))
     if storage_path.startswith("s3://"):
         return Storage(storage_path[len("s3://"):].rstrip("/"), s3_filesystem(), storage_path)
-    if "://" in storage_path:
-        scheme = storage_path.split("://")[0]
-        raise ConfigError(f"{KEY}={storage_path}: {scheme}:// is not supported here; allowed: a folder, or "
-                          "s3://bucket/prefix")
     return Storage(str(Path(storage_path).expanduser().resolve()), None, storage_path)
 
 
