@@ -331,10 +331,10 @@ def _initialized() -> bool:
     return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
-def reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
+def reachable(address: str, key: str, timeout_s: float = 5.0, shown: str | None = None) -> None:
     """Raise RayUnavailable within `timeout_s` if nothing listens at `address`'s host:port (Ray's
-    own connect retries an unreachable address for minutes). `auto` and addresses without a port
-    are left to Ray."""
+    own connect retries an unreachable address for minutes); its line begins with `shown`, else
+    `key=address`. `auto` and addresses without a port are left to Ray."""
     hostport = address.split("://")[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
@@ -342,7 +342,7 @@ def reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise RayUnavailable(f"{key}={address}: nothing answers at {host}:{port} ({e.strerror or e}); allowed: "
+        raise RayUnavailable(f"{shown or f'{key}={address}'}: nothing answers at {host}:{port} ({e.strerror or e}); allowed: "
                              "null (a new local Ray), auto, or the address of a running cluster") from None
 
 
@@ -352,9 +352,21 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     one), a head of another Ray or Python version. Ray's own `ray.init` finds the last two only
     after its retries (18 s of C++ `InvalidAuthToken` lines on the console for a wrong token).
     One read of the cluster's metadata from its GCS, with this process's token: what `ray.init`
-    itself reads first. Addresses without a port (`auto`, `ray://...`) are left to Ray."""
-    reachable(address, key, timeout_s)
-    hostport = address.split("://")[-1].rstrip("/")
+    itself reads first. `auto` is the cluster Ray would find (RAY_ADDRESS, else the Ray started on
+    this machine last), checked alike; a Ray Client address (`ray://...`) is left to Ray."""
+    if address == "auto":
+        from orchestrate.thirdparty import ray_auto_address
+
+        found = ray_auto_address()
+        if found is None:
+            raise RayUnavailable(f"{key}=auto: no Ray runs on this machine to join (none started with `ray start` or "
+                                 "`orchestrate up`, and RAY_ADDRESS is unset); allowed: null (a new local Ray), or the "
+                                 "address of a running cluster")
+        reachable(found, key, timeout_s, shown=f"{key}=auto (the cluster at {found})")
+        hostport = found
+    else:
+        reachable(address, key, timeout_s)
+        hostport = address.split("://")[-1].rstrip("/")
     if "://" in address or not hostport.rpartition(":")[2].isdigit():
         return
     _quiet_import()

@@ -80,6 +80,8 @@ INTERNALS = _listed({
     ),
     # a cluster's metadata read from its GCS, as ray.init reads it first (ray_cluster_metadata)
     "ray_cluster_metadata": ("ray._raylet:GcsClient",),
+    # what `auto` names, as ray.init resolves it (ray_auto_address)
+    "ray_auto_address": ("ray._private.services:canonicalize_bootstrap_address",),
     # MLflow: an empty store's tables made once and copied, its stores' URI schemes
     "mlflow_initialize_tables": ("mlflow.store.db.utils:_initialize_tables",),
     "mlflow_store_schemes": ("mlflow.tracking._tracking_service.utils:_tracking_store_registry._registry",),
@@ -279,6 +281,22 @@ def tap_ray_worker_output(take_markers: Callable[[list[str]], tuple[list[str], l
                     printer(held)
 
     return release
+
+
+def ray_auto_address() -> str | None:
+    """The host:port `ray.init(address="auto")` would join (RAY_ADDRESS, else the cluster started
+    on this machine last), or None where there is none: Ray resolves `auto` nowhere public. Its
+    note on finding several Ray instances is left out (the one it chose is what the caller checks)."""
+    from ray._private import services
+
+    logger = logging.getLogger(services.__name__)
+    level, logger.level = logger.level, logging.ERROR
+    try:
+        return services.get_ray_address_from_environment("auto", None)
+    except (ConnectionError, ValueError):
+        return None
+    finally:
+        logger.setLevel(level)
 
 
 def ray_cluster_metadata(hostport: str, timeout_s: float) -> bytes | None:

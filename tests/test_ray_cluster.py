@@ -80,3 +80,21 @@ def test_a_working_folder_past_rays_limit_is_one_line_naming_the_folder(monkeypa
     assert "(Package size (0.00MiB) exceeds the maximum size of 0.00MiB)" in str(refused)
     assert ".gitignore or .rayignore" in str(refused)
     assert ray_cluster.too_large(ValueError("another"), "k", "a") is None
+
+
+def test_auto_is_checked_as_the_address_it_names(monkeypatch):
+    """`backend.ray_address=auto` names the cluster Ray would join (here RAY_ADDRESS's): refused in
+    seconds when nothing answers there, in the words an address gets, `auto` named."""
+    import time
+
+    from orchestrate import ray_cluster
+    from tests.helpers import free_port
+
+    port = free_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    began = time.monotonic()
+    with pytest.raises(ray_cluster.RayUnavailable) as refused:
+        ray_cluster.check_access("auto", "backend.ray_address")
+    assert str(refused.value).startswith(f"backend.ray_address=auto (the cluster at 127.0.0.1:{port}): nothing "
+                                         f"answers at 127.0.0.1:{port}")
+    assert time.monotonic() - began < 5

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from tests import guide
 from tests.conftest import ROOT, long, sweep_runs
@@ -311,6 +312,20 @@ def test_every_readme_command_is_checked():
     assert set(project_files()) >= {"my_project/models.py", "my_project/conf/model/my_net.yaml",
                                     "my_project/conf/data/my_data.yaml"}
     assert len(bad_input_examples()) >= 3
+
+
+def test_a_sweep_over_backends_is_described_by_the_backends_it_runs():
+    """A guide command whose comment lists what `+sweep=NAME` sweeps over names exactly the
+    backends conf/sweep/NAME.yaml runs (not "every backend" for the single-process ones)."""
+    described = 0
+    for line in (ROOT / "README.md").read_text().splitlines():
+        sweep = re.search(r"\+sweep=(\w+)\s+#\s*([\w, ]+):", line)
+        if not sweep:
+            continue
+        swept = OmegaConf.load(ROOT / "conf" / "sweep" / f"{sweep.group(1)}.yaml").hydra.sweeper.params.backend
+        assert [b.strip() for b in sweep.group(2).split(",")] == [b.strip() for b in swept.split(",")], line
+        described += 1
+    assert described >= 1
 
 
 FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)

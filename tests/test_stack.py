@@ -100,17 +100,20 @@ def test_no_record_means_cold(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("words", [["backend=runner"], ["+sweep=lr_grid", "backend=torch"]], ids=["runner", "sweep"])
+@pytest.mark.parametrize("words", [["backend=runner"], ["+sweep=lr_grid", "backend=torch"],
+                                   ["backend=runner", "backend.ray_address=auto"]], ids=["runner", "sweep", "auto"])
 def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm, tmp_path, words):
+    """As fast and as plainly for `backend.ray_address=auto` (the cluster Ray would find: here
+    RAY_ADDRESS's) as for an address."""
     _, state, _ = warm
+    named = "backend.ray_address=auto" if "backend.ray_address=auto" in words else f"RAY_ADDRESS={record(state).ray_address}"
     env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state), "RAY_ADDRESS": record(state).ray_address,
            "RAY_AUTH_TOKEN": "0" * 32}
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.startswith(f"error: RAY_ADDRESS={record(state).ray_address}: the cluster refused this "
-                                  "process's Ray token"), done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: {named}: the cluster refused this process's Ray token"), done.stderr[-3000:]
     assert len(done.stderr.strip().splitlines()) == 1 and "gcs_client" not in done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []  # no MLflow store, no output folder
     assert time.monotonic() - began < 60  # the command's own imports; Ray's retries took minutes
