@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, errors, plots, process, schema, stack
+from orchestrate import checkpoints, errors, plots, process, schema, signals, stack
 from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.cpu import Budget
 from orchestrate.job import Checked, Job
@@ -120,7 +120,7 @@ def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Res
             "data": cfg.data._target_, "config_key": config_key(cfg)}
     # e.g. a Ray cluster with room for the runner's workers; ConfigError before any run opens if not.
     # SIGTERM stops the run as Ctrl-C does: the MLflow run ends KILLED, Ray is shut down.
-    with process.kept(), process.stop_on_signals(), job.backend.connect(job):
+    with process.kept(), signals.stop_on_signals(), job.backend.connect(job):
         # Which MLflow run: a sweep's trial's, the one trainer.resume continues, or a new one.
         run_choice = run_choice or which_run(cfg)
         if run_choice.resume is not None:  # its checkpoint loads before the run reopens: a bad one changes nothing

@@ -23,7 +23,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from orchestrate import checkpoints, errors, process
+from orchestrate import checkpoints, errors, signals
 from orchestrate.config import ORCHESTRATE, ConfigSource, group_options, load_config
 from orchestrate.meter import Diverged
 from orchestrate.schema import ConfigError
@@ -114,7 +114,7 @@ TABLE: tuple[Row, ...] = (
     Row((checkpoints.CheckpointError,), (RUN,), lambda e, w: f"{e}; the MLflow run is marked FAILED",
         exit_code(1)),  # a full disk: one line, not a traceback through torch
     Row((Diverged,), (RUN,), lambda e, w: diverged_message(e, w.out_dir / "checkpoints", w.resumable), exit_code(1)),
-    Row((process.Stopped,), (RUN,),
+    Row((signals.Stopped,), (RUN,),
         lambda e, w: (f"{e}: the MLflow run is marked KILLED; the same command with trainer.resume=auto continues it "
                       "from its last checkpoint"),
         lambda e, w: 128 + e.signum, said="stopped by "),  # as a shell reports a process ended by the signal

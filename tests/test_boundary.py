@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from orchestrate import process
+from orchestrate import signals
 from orchestrate.boundary import CHECK, COMMAND, RUN, TABLE, Where, boundary
 from orchestrate.errors import mark
 from orchestrate.schema import ConfigError
@@ -25,7 +25,7 @@ def test_a_refusal_is_its_own_line_exit_2_with_the_trial_it_came_from(capsys):
 
 
 def test_a_run_stopped_by_a_signal_exits_as_a_shell_reports_it(capsys):
-    code, said = exits(Where(RUN), process.Stopped(15), capsys)
+    code, said = exits(Where(RUN), signals.Stopped(15), capsys)
     assert code == 128 + 15 and said.startswith("stopped by SIGTERM: the MLflow run is marked KILLED")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrate import checkpoints, process
+from orchestrate import checkpoints, process, signals
 from orchestrate.checkpoints import CheckpointError, Checkpoints
 from orchestrate.job import Job
 from orchestrate.schema import ConfigError, TrainerConf
@@ -60,16 +60,16 @@ def test_torch_full_disk_error_names_the_cause(tmp_path):
 
 
 def test_a_write_cut_off_by_ctrl_c_leaves_no_file(tmp_path):
-    """A signal's KeyboardInterrupt (orchestrate.process.Stopped) in the middle of a write goes on
+    """A signal's KeyboardInterrupt (orchestrate.signals.Stopped) in the middle of a write goes on
     up as it is, and neither a half file nor its temporary name stays behind."""
     ckpt = Checkpoints(TrainerConf(max_steps=20, checkpoint_period=10), tmp_path)
     ckpt.save(10, lambda path: Path(path).write_text("step 10"), suffix=".pt")
 
     def cut_off(path):
         Path(path).write_text("half")
-        raise process.Stopped(signal.SIGTERM)
+        raise signals.Stopped(signal.SIGTERM)
 
-    with pytest.raises(process.Stopped):
+    with pytest.raises(signals.Stopped):
         ckpt.save(20, cut_off, suffix=".pt")
     assert [p.name for p in tmp_path.iterdir()] == ["step_0000010.pt"]
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from orchestrate import app, ort, process
+from orchestrate import app, ort, process, signals
 
 
 def test_kept_restores_threads_and_environment():
@@ -91,7 +91,7 @@ def test_sighup_stops_a_run_as_sigterm_does():
     `stop_on_signals`' Stopped ends it), not ended on the spot."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
-        with pytest.raises(process.Stopped) as stopped, process.stop_on_signals():
+        with pytest.raises(signals.Stopped) as stopped, signals.stop_on_signals():
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(5)  # the handler raises before this ends
         assert stopped.value.signum == signal.SIGHUP
@@ -103,9 +103,9 @@ def test_sighup_stops_a_run_as_sigterm_does():
 def test_a_run_under_nohup_goes_on_ignoring_sighup():
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with process.stop_on_signals():
+        with signals.stop_on_signals():
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-            process.reinstall_handlers()
+            signals.reinstall_handlers()
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
     finally:

@@ -159,7 +159,7 @@ class Run(RunLogger):
     def __exit__(self, exc_type, exc, tb) -> bool:
         status = "FINISHED"
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            status = "KILLED"  # Ctrl-C, or SIGINT / SIGTERM (orchestrate.process.Stopped names it)
+            status = "KILLED"  # Ctrl-C, or SIGINT / SIGTERM (orchestrate.signals.Stopped names it)
             self.set_tags({"error": interrupted(str(exc) or exc_type.__name__)})
         elif exc_type is not None:
             status = "FAILED"

@@ -50,7 +50,7 @@ from typing import Annotated, Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import ort, process, ray_cluster, schema, stack
+from orchestrate import ort, ray_cluster, schema, signals, stack
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.backends.runner import relay as relays
 from orchestrate.backends.runner import storage
@@ -279,7 +279,7 @@ class RunnerBackend(Backend):
         except ray_cluster.RayUnavailable as e:
             raise ConfigError(str(e)) from None
         job.ray = ray_cluster.how()  # for the summary: warm (orchestrate up), cold or a cluster
-        process.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
+        signals.reinstall_handlers()  # SIGTERM stops the run, not Ray's handler (which aborts the driver)
         stopped = _STOPPED_RUNS.set([])
         try:
             t = job.trainer  # an elastic run starts once its minimum fits
@@ -345,7 +345,7 @@ class RunnerBackend(Backend):
                   "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
-        # spot. Instead both stop the run as everywhere else (orchestrate.process.stop_on_signals):
+        # spot. Instead both stop the run as everywhere else (orchestrate.signals.stop_on_signals):
         # a KeyboardInterrupt out of fit()'s wait; the run is marked KILLED, then `connect` aborts
         # the controller (it stops the workers) and shuts down a Ray started here.
         controllers: list = []
@@ -358,8 +358,8 @@ class RunnerBackend(Backend):
         except KeyboardInterrupt as e:
             if not in_driver:  # a worker group's controller, aborted once the run is marked KILLED
                 _STOPPED_RUNS.get().extend(controllers)
-            stopped = process.stopped_by()
-            if stopped is not None and not isinstance(e, process.Stopped):
+            stopped = signals.stopped_by()
+            if stopped is not None and not isinstance(e, signals.Stopped):
                 raise stopped from None  # Ray's ray.get re-raised the signal as a plain KeyboardInterrupt
             raise
         finally:
