@@ -47,7 +47,7 @@ def startup(engine: str, workers: int, batch: int, tmp: str) -> list[tuple[str, 
     the rest from the run's step-1 metrics."""
     import sqlite3
 
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
 
     marks: dict[str, tuple[float, float]] = {}
 

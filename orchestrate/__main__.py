@@ -7,12 +7,12 @@ import os
 import sys
 
 COMMANDS = {
-    "server": "orchestrate.server",  # the team's MLflow server on PostgreSQL, artifacts served
-    "doctor": "orchestrate.doctor",  # will this stack work? one line per check
-    "sync": "orchestrate.sync",  # send what a run kept while its MLflow server was away
-    "slurm-ray": "orchestrate.slurm_ray",  # in an sbatch script: Ray across the allocation, then the runner on it
-    "up": "orchestrate.stack",  # the warm local stack: a Ray head and an MLflow server, left running
-    "down": "orchestrate.stack:main_down",  # ... stopped
+    "server": "orchestrate.commands.server",  # the team's MLflow server on PostgreSQL, artifacts served
+    "doctor": "orchestrate.commands.doctor",  # will this stack work? one line per check
+    "sync": "orchestrate.commands.sync",  # send what a run kept while its MLflow server was away
+    "slurm-ray": "orchestrate.commands.slurm_ray",  # in an sbatch script: Ray across the allocation, then the runner on it
+    "up": "orchestrate.commands.up",  # the warm local stack: a Ray head and an MLflow server, left running
+    "down": "orchestrate.commands.up:main_down",  # ... stopped
 }
 
 
@@ -28,13 +28,13 @@ def main() -> None:
 def run() -> None:
     """The program (`orchestrate`, `python -m orchestrate`): `main`, then the exit. A command
     refused while the Ray it began to start early is still starting (a refused sweep or runner
-    config: orchestrate.ray_cluster.init_in_background) leaves at once with its exit code: waiting
+    config: orchestrate.cluster.ray_cluster.init_in_background) leaves at once with its exit code: waiting
     for Ray's start to shut it down would cost seconds, and finalizing Python while Ray's C++ core
     starts on another thread can crash. Ray's processes end with the thread that started them."""
     try:
         main()
     except SystemExit as e:
-        from orchestrate import ray_cluster
+        from orchestrate.cluster import ray_cluster
 
         if ray_cluster.starting():
             sys.stdout.flush()

@@ -17,8 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, errors, plots, process, schema, signals, stack
+from orchestrate import checkpoints, errors, plots, process, schema, signals
 from orchestrate.boundary import RUN, Where, boundary
+from orchestrate.cluster import warm
 from orchestrate.cpu import Budget
 from orchestrate.job import Checked, Job
 from orchestrate.meter import world_sizes
@@ -209,7 +210,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool, bud
         if any(result.out_dir.glob(WORKER_LOG.format(rank="*"))):
             lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
     if not in_sweep:  # a sweep's trial: the sweep's summary says where to look (and how it started)
-        lines.append(f"  {'start':<18} {stack.start_line(job.ray, None)}")
+        lines.append(f"  {'start':<18} {warm.start_line(job.ray, None)}")
         lines += [f"  {line}" for line in open_ui(cfg.tracking.uri, result.experiment_id).splitlines()]
     print("\n".join(lines), flush=True)
 

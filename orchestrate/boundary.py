@@ -1,10 +1,12 @@
-"""The error boundary of the three entry points: the command line's up-front check
-(`cli.validate`, `cli.validate_sweep`), one Hydra job (`app.hydra_job`, a single run) and the
-command around Hydra (`cli.main`). One table, `TABLE`, maps what was raised to the one line the
-console gets, the exit code and whether the full traceback is kept (the run's log, else a crash
-file: orchestrate.errors); an entry point says which stage it is (`Where`), and the first row of
-that stage whose types match decides. Exit codes: 2 when the input was wrong and nothing ran, 1
-for a run that failed, 128 + N for a run stopped by signal N, 130 for a sweep stopped by Ctrl-C.
+"""The error boundary of every entry point: the command line's up-front check (`cli.main`,
+`cli.validate`, `cli.validate_sweep`), one Hydra job (`app.hydra_job`, a single run), the command
+around Hydra (`cli.main`), and the other commands (orchestrate.commands: doctor, server, sync,
+up, down, slurm-ray). One table, `TABLE`, maps what was raised to the one line the console gets,
+the exit code and whether the full traceback is kept (the run's log, else a crash file:
+orchestrate.errors); an entry point says which stage it is (`Where`), and the first row of that
+stage whose types match decides; a new kind of error is one row. Exit codes: 2 when the input was
+wrong and nothing ran (schema.ConfigError, errors.Refused), 1 for a run or a command that failed
+(errors.Failed), 128 + N for a run stopped by signal N, 130 for a sweep stopped by Ctrl-C.
 
 The table's words for Hydra's and OmegaConf's composition errors (`explain`) live here too.
 """
@@ -23,12 +25,14 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from orchestrate import checkpoints, errors, signals
+from orchestrate import errors, signals
 from orchestrate.config import ORCHESTRATE, ConfigSource, group_options, load_config
 from orchestrate.meter import Diverged
 from orchestrate.schema import ConfigError
 
-CHECK, RUN, COMMAND = "check", "run", "command"  # the stages: nothing ran yet; one Hydra job; around Hydra
+# The stages: nothing ran yet; one Hydra job; around Hydra; a command besides a run (orchestrate.commands).
+CHECK, RUN, COMMAND, TOOL = "check", "run", "command", "tool"
+EVERY_STAGE = (CHECK, RUN, COMMAND, TOOL)
 COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException,
                       OmegaConfBaseException, yaml.YAMLError)
 
@@ -37,7 +41,8 @@ COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, Overri
 class Where:
     """What the boundary's lines name: the stage, and what the entry point knows there."""
 
-    stage: str  # CHECK, RUN or COMMAND
+    stage: str  # CHECK, RUN, COMMAND or TOOL
+    prefix: str = ""  # what a TOOL's lines begin with ("orchestrate slurm-ray: ")
     trial: str = ""  # which trial of a sweep, before a refusal's line ("trial 3 (lr=0.1): ")
     overrides: list[str] = field(default_factory=list)  # the command line's, for composition errors
     source: ConfigSource = ORCHESTRATE  # the config folders the command composes from
@@ -69,6 +74,8 @@ def diverged_message(e: Diverged, folder: Path, resumable: bool = True) -> str:
         return (f"{e}, before any update; the MLflow run is marked FAILED. The inputs or the model's first forward "
                 "give non-finite values, not the learning rate: check the data set's inputs for nan or inf, "
                 "and the model's forward on them")
+    from orchestrate import checkpoints  # (imports torch: only a run that diverged gets here)
+
     kept = checkpoints.latest(folder)
     return (f"{e}; the MLflow run is marked FAILED. "
             + (f"The last checkpoint before it, {kept}, is kept: the same command with a lower optimizer.lr and "
@@ -95,15 +102,16 @@ def failed_run(e: BaseException, where: Where) -> str:
 
 
 def failed_command(e: BaseException, where: Where) -> str:
-    from orchestrate.sweeps.slurm import ended_without_result
-
-    job_line = ended_without_result(e)  # a Slurm job's end, which submitit spreads over many lines
-    return f"the sweep: {job_line}" if job_line else errors.one_line(e, "the sweep" if where.multirun else "")
+    return errors.one_line(e, "the sweep" if where.multirun else "")
 
 
 TABLE: tuple[Row, ...] = (
-    # Bad input, said in the check's or the backend's own words: nothing ran.
-    Row((ConfigError,), (CHECK, RUN, COMMAND), lambda e, w: f"{w.trial}{e}", exit_code(2)),
+    # Bad input, said in the check's, the backend's or the command's own words: nothing ran.
+    Row((ConfigError, errors.Refused), EVERY_STAGE, lambda e, w: f"{w.trial}{w.prefix}{e}", exit_code(2)),
+    # What a command started failed, in its own words (its cause's traceback kept, if it has one).
+    Row((errors.Failed,), EVERY_STAGE, lambda e, w: f"{w.prefix}{e}", exit_code(1), traceback=True,
+        applies=lambda e, w: e.__cause__ is not None),
+    Row((errors.Failed,), EVERY_STAGE, lambda e, w: f"{w.prefix}{e}", exit_code(1)),
     Row(COMPOSITION_ERRORS, (CHECK,), lambda e, w: explain(e, w.overrides, w.source), exit_code(2)),
     Row((ValueError, TypeError), (CHECK,),  # Hydra's own defaults list on `backend=[1]`
         lambda e, w: (f"{' '.join(w.overrides)}: a config group's choice must be a name or a list of names "
@@ -111,7 +119,7 @@ TABLE: tuple[Row, ...] = (
     Row((Exception,), (CHECK,), not_a_config, exit_code(2), applies=lambda e, w: file_being_read(e) is not None),
     Row((Exception,), (CHECK,), failed_check, exit_code(2), traceback=True),
     # A run that failed: its MLflow run is FAILED.
-    Row((checkpoints.CheckpointError,), (RUN,), lambda e, w: f"{e}; the MLflow run is marked FAILED",
+    Row((errors.CheckpointError,), (RUN,), lambda e, w: f"{e}; the MLflow run is marked FAILED",
         exit_code(1)),  # a full disk: one line, not a traceback through torch
     Row((Diverged,), (RUN,), lambda e, w: diverged_message(e, w.out_dir / "checkpoints", w.resumable), exit_code(1)),
     Row((signals.Stopped,), (RUN,),
@@ -126,6 +134,8 @@ TABLE: tuple[Row, ...] = (
                       "sweep"), exit_code(130), applies=lambda e, w: w.multirun, said="stopped by "),
     Row((Exception,), (COMMAND,), failed_command,
         lambda e, w: 1 if w.multirun or getattr(e, "orchestrate_run", None) else 2, traceback=True),
+    # A command besides a run, failed in a way it did not foresee: one line, the traceback kept.
+    Row((Exception,), (TOOL,), lambda e, w: f"{w.prefix}{errors.one_line(e)}", exit_code(1), traceback=True),
 )
 
 

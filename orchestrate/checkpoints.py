@@ -24,12 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from orchestrate.errors import CheckpointError
 from orchestrate.schema import ConfigError, TrainerConf
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the message is one line: the step, the folder, the cause,
-    and which finished checkpoint is kept."""
 
 
 class Checkpoints:

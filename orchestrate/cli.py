@@ -16,7 +16,7 @@ import sys
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from orchestrate import app, errors, schema
+from orchestrate import app, errors
 from orchestrate.boundary import CHECK, COMMAND, Where, boundary
 from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, load_config, searching
 
@@ -137,7 +137,7 @@ def check_trial_resources(launcher) -> None:
     address, key = (launcher.address, "hydra.launcher.address") if launcher.address else \
         (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
     if address:
-        from orchestrate import ray_cluster
+        from orchestrate.cluster import ray_cluster
         from orchestrate.launch import _core
 
         _core.before_ray_import()  # the check imports Ray: the launcher's settings first
@@ -174,8 +174,8 @@ def strip_source_flags(flags: list[str]) -> list[str]:
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    """Refuse the command line: its line, exit code 2 (the boundary around `main`'s check)."""
+    raise errors.Refused(message)
 
 
 def rewrite_sweep_words(argv: list[str], source: ConfigSource = ORCHESTRATE) -> list[str]:
@@ -238,37 +238,37 @@ def check_sweep_choice(overrides: list[str]) -> None:
 
 
 def main() -> None:
-    # Options only: overrides may come before or after them (they are handed to Hydra after them).
-    check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
-    try:
+    with boundary(Where(CHECK)):
+        # Options only: overrides may come before or after them (they are handed to Hydra after them).
+        check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
         # --config-path, --config-name, --config-dir: the user's own config folders.
         source = ConfigSource.from_flags(split_args(sys.argv[1:])[0])
-    except schema.ConfigError as e:
-        fail(str(e))
-    argv = rewrite_sweep_words(sys.argv[1:], source)
-    flags, overrides = split_args(argv)
-    multirun = any(f in MULTIRUN_FLAGS for f in flags)
-    checked = None  # the single run's check (its job and MLflow run), which the run takes over
-    if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
-        if multirun:
-            validate_sweep(flags, overrides, source)
-        else:
-            check_sweep_choice(overrides)
-            checked = validate(overrides, source, hydra_words(flags), own_run=True)
+        argv = rewrite_sweep_words(sys.argv[1:], source)
+        flags, overrides = split_args(argv)
+        multirun = any(f in MULTIRUN_FLAGS for f in flags)
+        checked = None  # the single run's check (its job and MLflow run), which the run takes over
+        if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
+            if multirun:
+                validate_sweep(flags, overrides, source)
+            else:
+                check_sweep_choice(overrides)
+                checked = validate(overrides, source, hydra_words(flags), own_run=True)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
     sys.argv = [sys.argv[0], *source.as_flags(), *flags, *overrides]
     where = Where(COMMAND, multirun=multirun)
+    from orchestrate.sweeps import slurm
+
     try:
         # What Hydra would print as a traceback: one line here (the boundary's).
-        with boundary(where), errors.hydra_raising():
+        with boundary(where), errors.hydra_raising(), slurm.jobs_in_one_line():
             app.hydra_app(checked)()
     finally:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.
-            from orchestrate.sweeps import prestart, slurm
+            from orchestrate.sweeps import prestart
             from orchestrate.sweeps.callbacks import close_open_sweeps
 
             # A Slurm sweep's launcher stops at the first job that ended without a result: the
@@ -278,6 +278,6 @@ def main() -> None:
             prestart.release()  # a server started early that no sweep took (Hydra stopped first)
         # A Ray started early and never taken (Hydra stopped before the launcher or the run asked
         # for it) is shut down here, not torn down mid-start when the process exits.
-        from orchestrate import ray_cluster
+        from orchestrate.cluster import ray_cluster
 
         ray_cluster.cancel_background_init()

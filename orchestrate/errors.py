@@ -14,6 +14,23 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+
+class Refused(Exception):
+    """A command's input, or what it names, is wrong (a flag, a folder, a port taken, a program or
+    package missing): nothing ran. The boundary prints its line; exit code 2. Each command's own
+    kinds subclass it (ServerError, SlurmRayError)."""
+
+
+class Failed(Exception):
+    """What a command started failed (a server that exited, a sweep's Slurm job that ended without
+    its result): the boundary prints its line (and keeps its cause's traceback); exit code 1."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (orchestrate.checkpoints); the message is one line: the
+    step, the folder, the cause, and which finished checkpoint is kept."""
+
+
 PACKAGE = str(Path(__file__).resolve().parent) + os.sep
 # Frames of these folders are the machinery around the user's code, not where an error came from.
 LIBRARY_FOLDERS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -55,6 +72,13 @@ def one_line(error: BaseException, what: str = "") -> str:
     if step:
         parts.append(f" at step {step}")
     return "".join(parts)
+
+
+def first_line(error: BaseException, typed: bool = False) -> str:
+    """The first non-empty line of the error's message (its type's name when it has none);
+    `typed`: `Type: line`."""
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text}".rstrip(": ") if typed else text or type(error).__name__
 
 
 def mark(error: BaseException, **facts) -> None:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import checkpoints, cpu, losses, ort, schema
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.cpu import Budget
+from orchestrate.errors import first_line
 from orchestrate.meter import Meter
 from orchestrate.parallel import Parallel
 from orchestrate.tasks import loader
@@ -138,10 +139,6 @@ def score(loss: losses.Loss, out: torch.Tensor, targets: torch.Tensor) -> None:
         loss.torch(out, targets)
 
 
-def first_line(error: BaseException) -> str:
-    return next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-
-
 def fitting_losses(out: torch.Tensor, targets: torch.Tensor) -> list[str]:
     """The registry's losses that score `out` against `targets` without an error."""
     fitting = []
@@ -215,7 +212,7 @@ class Job:
     # Every RNG state right after the model was built from the seed: a run that takes over the
     # job its command checked (`Checked.take`) starts from them, as if it had built the model itself.
     rng_after_build: dict | None = None
-    ray: str | None = None  # how the run got its Ray (orchestrate.ray_cluster.how): warm, cold, cluster; None: none
+    ray: str | None = None  # how the run got its Ray (orchestrate.cluster.ray_cluster.how): warm, cold, cluster; None: none
     # What the checks built that the run reuses instead of building it again, by the backend's
     # own key (the on-device training artifacts: OnDeviceBackend.check_gradients).
     built: dict[str, Any] = field(default_factory=dict)

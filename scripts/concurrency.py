@@ -14,7 +14,7 @@ Each trial logs `train/loss` and `perf/samples_per_sec` at every step and `eval/
 trial in its own process, and each metric's steps exactly the expected ones (a lost step or a
 duplicated one shows in the counts). The table goes to stdout and docs/concurrency.md.
 
-The tests run the same check with fewer trials (tests/sweeps/test_sweeps.py, tests/test_server.py).
+The tests run the same check with fewer trials (tests/sweeps/test_sweeps.py, tests/commands/test_server.py).
 Needs PostgreSQL's programs (initdb, postgres), as `orchestrate server` does.
 """
 
@@ -24,7 +24,6 @@ import datetime
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+
+from orchestrate.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_TIMEOUT_S = 240
@@ -45,12 +46,6 @@ def sweep_command(trials: int, steps: int, eval_every: int, *tracking: str) -> l
             "trainer=quick", f"trainer.max_steps={steps}", "model.hidden=[32]", "trainer.display_loss_steps=1",
             f"trainer.evaluation_period={eval_every}", "trainer.progress=false", "hydra.launcher.num_cpus=2",
             f"hydra.launcher.cpus_per_trial={2 / trials}", *tracking]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(folder: Path) -> tuple[subprocess.Popen, str]:

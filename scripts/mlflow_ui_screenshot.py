@@ -12,7 +12,6 @@ no browser. Everything binds 127.0.0.1.
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+
+from orchestrate.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -37,12 +38,6 @@ def run_sweep(folder: Path, steps: int) -> str:
                     f"trainer.max_steps={steps}", "trainer.progress=false", f"tracking.uri={store}"],
                    cwd=folder, check=True, timeout=1200)
     return store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ui(store: str, folder: Path) -> tuple[subprocess.Popen, str]:

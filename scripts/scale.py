@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Every port a node opens on 127.0.0.1, and Ray's clients keep that address (orchestrate.ray_cluster).
+# Every port a node opens on 127.0.0.1, and Ray's clients keep that address (orchestrate.cluster.ray_cluster).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parents[1]

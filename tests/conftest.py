@@ -153,7 +153,7 @@ def ray_shared():
     Its workers import `tests.helpers` (PYTHONPATH holds the repository). Shut down at the end."""
     import ray
 
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
 
     if ray.is_initialized():
         ray.shutdown()
@@ -182,7 +182,7 @@ def warm_stack(tmp_path_factory) -> WarmStack:
     """`orchestrate up --num-cpus 2` once for the session, for a folder's store, started from
     another folder (the head's processes run where it started); a test's commands run warm when
     their ORCHESTRATE_STATE_DIR names its state folder (cold otherwise: `own_state_dir`).
-    tests/test_stack.py shows it and ends with `orchestrate down`; here again at the end."""
+    tests/cluster/test_warm.py shows it and ends with `orchestrate down`; here again at the end."""
     state, folder = tmp_path_factory.mktemp("warm_stack_state"), tmp_path_factory.mktemp("warm_stack")
     env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state)}
     up = subprocess.run([sys.executable, "-m", "orchestrate", "up", "--num-cpus", "2",

@@ -1,7 +1,7 @@
 """The user guide as the tests read it: README.md, then every page of docs/ (sorted by name).
 
 What the guide says is checked where it now lives: tests/test_readme.py runs its commands and
-bad-input examples and writes its project files, tests/test_doctor.py compares its sample
+bad-input examples and writes its project files, tests/commands/test_doctor.py compares its sample
 `orchestrate doctor` output, tests/launch/test_slurm.py submits its sbatch script, and
 benchmarks/readme_timings.py keeps its "about N seconds" figures. A section moved between the
 README and a page is still found, and a new page's commands are read without a list to edit.

@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from orchestrate.backends.torch import TorchBackend
+from orchestrate.cluster.ports import free_port  # noqa: F401 - the tests take it from here
 from orchestrate.tasks.data import Digits, Synthetic
 from orchestrate.tasks.models import MLP
 
@@ -147,12 +147,6 @@ RAY_CLI_ON_LOOPBACK = (
     "import sys; from ray._private import services; services.resolve_ip_for_localhost = lambda host: host; "
     "from ray.scripts.scripts import main; sys.argv = ['ray', *sys.argv[1:]]; main()"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive_nodes(address: str, env: dict) -> list[str]:
@@ -304,6 +298,15 @@ def exit_code(monkeypatch, *argv: str) -> int:
     with pytest.raises(SystemExit) as exit_:
         main()
     return exit_.value.code
+
+
+def command_exit(main, argv: list[str]) -> int:
+    """A command's `main(argv)` (orchestrate.commands) as `orchestrate` runs it: its exit code,
+    returned, or raised by the boundary."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
 
 
 @functools.cache

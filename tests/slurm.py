@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrate.server import _die_with_parent
+from orchestrate.cluster.mlflow_server import _die_with_parent
 from tests.helpers import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrate.cli import main
 from orchestrate.extras import ORT, Extra
-from tests.helpers import exit_code
+from tests.helpers import command_exit, exit_code
 
 ABSENT = "backend=absent needs the package absent_pkg: pip install 'orchestrate[absent]'"
 BACKEND = "defaults:\n  - torch\n  - _self_\n_target_: tests.helpers.NeedsAMissingPackage\nname: absent\n"
@@ -102,11 +102,12 @@ def test_a_model_whose_module_needs_a_missing_extra_is_refused_naming_it(tmp_pat
 
 
 def test_orchestrate_server_without_postgresqls_driver_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
-    from orchestrate import extras, server
+    from orchestrate import extras
+    from orchestrate.commands import server
 
     monkeypatch.setattr(extras, "SERVER", Extra("server", "PostgreSQL's driver for MLflow (psycopg2)",
                                                 "absent_pkg_for_orchestrate_tests"))
-    assert server.main(["--data-dir", str(tmp_path / "server")]) == 2
+    assert command_exit(server.main, ["--data-dir", str(tmp_path / "server")]) == 2
     assert capsys.readouterr().err.strip() == ("error: orchestrate server needs PostgreSQL's driver for MLflow "
                                                "(psycopg2): pip install 'orchestrate[server]'")
     assert not (tmp_path / "server").exists()

@@ -205,10 +205,12 @@ EXPECTED: dict[str, Expect] = {
     "python -m orchestrate --cfg job": Expect(extra=(), says=("backend:", "trainer:", "max_steps: 300"), runs=0),
     "orchestrate backend=torch": Expect(runs=1, tags={"backend": "torch"}),
     # ---- the warm stack: `ran` below runs every command warm, on one `orchestrate up` of its own
-    "orchestrate up": Expect(separate="tests/test_stack.py::test_up_starts_ray_and_the_server_on_loopback_with_a_private_record"),
-    "orchestrate down": Expect(separate="tests/test_stack.py::test_down_stops_every_process_of_the_stack"),
+    "orchestrate up": Expect(
+        separate="tests/cluster/test_warm.py::test_up_starts_ray_and_the_server_on_loopback_with_a_private_record"),
+    "orchestrate down": Expect(separate="tests/cluster/test_warm.py::test_down_stops_every_process_of_the_stack"),
     # ---- checking the stack
-    "orchestrate doctor": Expect(separate="tests/test_doctor.py::test_healthy_stack_passes_every_check_and_trains_every_backend"),
+    "orchestrate doctor": Expect(
+        separate="tests/commands/test_doctor.py::test_healthy_stack_passes_every_check_and_trains_every_backend"),
     "orchestrate doctor --no-smoke": Expect(extra=(), says=("checks: all OK", "smoke runs skipped"), runs=0),
     # ---- installing elsewhere
     "pip install .": Expect(
@@ -235,11 +237,12 @@ EXPECTED: dict[str, Expect] = {
     # ---- looking at the runs
     "make ui": Expect(separate="test_make_ui_serves_the_runs"),
     # ---- a team's MLflow server
-    "python -m orchestrate server": Expect(separate="tests/test_server.py::test_mlflow_and_postgresql_listen_on_loopback_only"),
+    "python -m orchestrate server": Expect(
+        separate="tests/commands/test_server.py::test_mlflow_and_postgresql_listen_on_loopback_only"),
     "python -m orchestrate server --host 0.0.0.0": Expect(
         skip="reachable from every network this machine is on; the tests bind 127.0.0.1 only"),
     "python -m orchestrate server --backend-store-uri postgresql://USER:PASSWORD@DBHOST:5432/mlflow": Expect(
-        separate="tests/test_server.py::test_a_second_server_in_front_of_an_existing_postgresql"),
+        separate="tests/commands/test_server.py::test_a_second_server_in_front_of_an_existing_postgresql"),
     # ---- sweeps
     "python -m orchestrate backend=ortmodule +sweep": Expect(
         runs=4, says=("sweep summary",), tags={"backend": "ortmodule"}, check=default_grid_with_nested_runs),
@@ -280,7 +283,7 @@ EXPECTED: dict[str, Expect] = {
     "ray job submit --address http://HEAD:8265 --working-dir . -- python -m orchestrate backend=runner "
     "trainer.num_workers=2 backend.placement_strategy=SPREAD tracking.uri=http://MLFLOW_HOST:5000 "
     "backend.storage_path=/shared/ray trainer.checkpoint_period=100 hydra.run.dir=/shared/outputs/run1": Expect(
-        separate="tests/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
+        separate="tests/cluster/test_ray_jobs.py::test_ray_job_submit_runs_the_runner_on_a_cluster"),  # beside its other jobs
     "python -m orchestrate backend=runner backend.ray_address=auto trainer.min_workers=2 trainer.num_workers=8 "
     "trainer.checkpoint_period=50": Expect(
         skip="joins a running cluster of 8 CPUs; tests/backends/test_runner_hosts.py runs an elastic run (1 to 2 "
@@ -398,7 +401,7 @@ def warm_env(installed_wheel, tmp_path_factory) -> Iterator[dict[str, str]]:
     quick start says, from a folder of its own, with the wheel's interpreter: Ray's workers import
     orchestrate from the wheel too), sized for CONCURRENT commands; `orchestrate down` at the end.
     The guide's commands join its Ray head by themselves (each has its own folder and store, so
-    a sweep still starts its own MLflow server); test_stack.py shows the stack itself, cold
+    a sweep still starts its own MLflow server); tests/cluster/test_warm.py shows the stack itself, cold
     commands are shown everywhere else."""
     env = {**installed_wheel.env, "ORCHESTRATE_STATE_DIR": str(tmp_path_factory.mktemp("readme_state"))}
     folder = tmp_path_factory.mktemp("readme_stack")

@@ -28,7 +28,8 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from omegaconf import DictConfig, open_dict
 
-from orchestrate import ray_cluster, thirdparty
+from orchestrate import thirdparty
+from orchestrate.cluster import ray_cluster
 
 log = logging.getLogger(__name__)
 OUTPUT_WAIT_S = 10.0  # longest wait, once the jobs are done, for their last lines to reach this console

@@ -180,7 +180,7 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     import optuna
     from hydra.utils import instantiate
 
-    from orchestrate.server import with_driver
+    from orchestrate.cluster.mlflow_server import with_driver
 
     # A bare postgresql:// would pick SQLAlchemy 2.1's default driver, psycopg 3 (not installed).
     storage = with_driver(conf["storage"] or default_storage(config.tracking.uri))

@@ -13,7 +13,8 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import plots, ray_cluster, stack
+from orchestrate import plots
+from orchestrate.cluster import ray_cluster, warm
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, plan, remote
 from orchestrate.sweeps._server import own_server
@@ -32,7 +33,7 @@ REACH_TIMEOUT_S = 20.0  # the longest a trial waits for the sweep's MLflow serve
 
 def answers(uri: str, timeout_s: float) -> bool:
     """Whether the MLflow server at `uri` answers /health, asked again until `timeout_s` passed."""
-    from orchestrate.server import health
+    from orchestrate.cluster.mlflow_server import health
 
     deadline = time.monotonic() + timeout_s
     while not health(uri, min(5.0, timeout_s)):
@@ -254,7 +255,7 @@ class Sweep:
             first = min(r.start_ms for r in ran) / 1000 - self.began
             timing += f"; the first started {first:.1f} s after the sweep began"
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
-              f"{text}\n{timing}\nstart: {stack.start_line(ray_cluster.how(), self.server_warm)}\n"
+              f"{text}\n{timing}\nstart: {warm.start_line(ray_cluster.how(), self.server_warm)}\n"
               f"{open_ui(self.settings.tracking_uri, self.experiment_id)}", flush=True)
 
     def log_chart(self, rows: list[_summary.Row]) -> None:

@@ -5,7 +5,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from orchestrate.server import HEALTH_TIMEOUT_S, MlflowServer, ServerError, health
+from orchestrate.cluster.mlflow_server import HEALTH_TIMEOUT_S, MlflowServer, ServerError, health
 from orchestrate.tracking.stores import training_experiment, write_ahead
 
 
@@ -31,7 +31,7 @@ def prepare_store(sqlite_uri: str, experiment: str, served_artifacts: bool = Fal
 
 
 class WarmServer:
-    """The warm stack's MLflow server (`orchestrate up`, orchestrate.stack) in front of the sweep's
+    """The warm stack's MLflow server (`orchestrate up`, orchestrate.cluster.warm) in front of the sweep's
     store: used as the sweep's own would be, never stopped by it."""
 
     warm = True
@@ -51,9 +51,9 @@ class WarmServer:
 
 def warm_server(sqlite_uri: str) -> WarmServer | None:
     """The warm stack's server, if it fronts `sqlite_uri` and answers."""
-    from orchestrate import stack
+    from orchestrate.cluster import warm as warm_stack
 
-    warm = stack.server_for(sqlite_uri)
+    warm = warm_stack.server_for(sqlite_uri)
     return WarmServer(warm.server_uri, warm.artifacts) if warm else None
 
 

@@ -44,7 +44,7 @@ def prestart(cfg: DictConfig, trials: int) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        from orchestrate import ray_cluster
+        from orchestrate.cluster import ray_cluster
 
         release()
         ray_cluster.cancel_background_init(wait=False)  # a refusal need not wait for Ray's start
@@ -105,7 +105,7 @@ atexit.register(release)
 
 def _start_ray(cfg: DictConfig, trials: int) -> None:
     """Ray as the launcher will ask for it, then one warm-up task per slot a trial can take."""
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
     from orchestrate.launch import _core
 
     launcher = cfg.hydra.launcher

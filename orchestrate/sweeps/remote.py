@@ -16,7 +16,7 @@ import socket
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.ray_cluster import host_of, on_loopback
+from orchestrate.cluster.ray_cluster import host_of, on_loopback
 from orchestrate.schema import ConfigError
 
 

@@ -21,17 +21,21 @@ the launcher raised, `settle()` (called by orchestrate/cli.py before the summary
 sweep's jobs still on the cluster, or cancels them after Ctrl-C.
 """
 
+import contextlib
 import logging
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from orchestrate import errors
 
 log = logging.getLogger(__name__)
 ROUTED = ("submitit", __name__)  # the loggers whose records go to the sweep's submitit.log
@@ -175,6 +179,19 @@ def settle(cancel: bool = False) -> None:
                   flush=True)
     finally:
         uninstall()
+
+
+@contextlib.contextmanager
+def jobs_in_one_line() -> Iterator[None]:
+    """A sweep's Slurm job that ended without its result, raised in the block, raised again as
+    errors.Failed in one line (`ended_without_result`), with the original as its cause."""
+    try:
+        yield
+    except Exception as e:
+        line = ended_without_result(e)
+        if line is None:
+            raise
+        raise errors.Failed(f"the sweep: {line}") from e
 
 
 def ended_without_result(error: BaseException) -> str | None:

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from orchestrate import cpu, losses
+from orchestrate.errors import first_line
 from orchestrate.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, SEED
 
 
@@ -71,8 +72,7 @@ class Items(Dataset):
             return self.dataset[index]
         except Exception as e:  # noqa: BLE001 - whatever __getitem__ raised is the reason
             shown = self.dataset.indices[index] if isinstance(self.dataset, torch.utils.data.Subset) else index
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ItemError(f"{self.name}[{shown}]: {type(e).__name__}{': ' + first if first else ''}") from e
+            raise ItemError(f"{self.name}[{shown}]: {first_line(e, typed=True)}") from e
 
 
 class MapData:

@@ -17,9 +17,10 @@ import pytest
 import ray
 import torch
 
-from orchestrate import app, checkpoints, ray_cluster, schema, stack
+from orchestrate import app, checkpoints, schema
 from orchestrate.__main__ import main
 from orchestrate.backends.runner import driver
+from orchestrate.cluster import ray_cluster, warm
 from orchestrate.config import load_config
 from tests.conftest import ROOT, client_for, here, long, metric_steps
 from tests.helpers import alive_nodes, loopback_cluster, prints_no_cuda_notice, served_twice
@@ -227,8 +228,8 @@ def test_the_runners_console_has_orchestrates_lines_and_its_workers_log_the_rest
     assert "[runner/ondevice] step 30: eval loss" in printed and "backend runner: 30 steps" in printed
     assert "start              cold: started a local Ray for this command" in done.stdout
     assert "Found multiple active Ray instances" not in printed
-    warm = stack.Stack(**json.loads((warm_stack.state / "stack.json").read_text()))
-    assert warm.ray_answers()  # the warm head was left alone
+    head = warm.Stack(**json.loads((warm_stack.state / "stack.json").read_text()))
+    assert head.ray_answers()  # the warm head was left alone
     logged = (Path(re.search(r"^  outputs +(\S+)$", done.stdout, re.MULTILINE).group(1)) / "worker_0.log").read_text()
     assert logged.count("Checkpoint successfully created") >= 2  # steps 15 and 30 (and the summary's report)
     if prints_no_cuda_notice():

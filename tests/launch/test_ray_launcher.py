@@ -25,7 +25,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 
 from hydra_plugins.orchestrate_ray_launcher.ray_launcher import OrchestrateRayLauncher
-from orchestrate import ray_cluster
+from orchestrate.cluster import ray_cluster
 from orchestrate.launch._core import END_OF_OUTPUT, OutputBarrier, RemoteTraceback, TrialError
 
 pytestmark = pytest.mark.slow

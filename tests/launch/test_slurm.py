@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrate import slurm_ray
+from orchestrate.cluster import allocation, ports
 from tests.conftest import ROOT, client_for, long, metric_steps
 from tests.test_readme import blocks
 
@@ -222,10 +222,10 @@ def test_the_runner_on_a_slurm_allocation(slurm_cluster, mlflow_server, tmp_path
     head = ray_head(slurm_cluster, job, output)
     assert "slurm-ray: python -m orchestrate backend=runner trainer.num_workers=2 backend.cpus_per_worker=1 " in output
     assert "slurm-ray: Ray stopped on 1 node(s) in " in output
-    assert not slurm_ray.answers(*head)  # the job's Ray is gone with it
+    assert not ports.answers(*head, 2)  # the job's Ray is gone with it
     # and leaves no address behind for a later plain ray.init() on the node to wait for
     assert (shared.stat().st_mtime_ns if shared.exists() else None) == before
-    assert not slurm_ray.head_folder(job).exists()
+    assert not allocation.head_folder(job).exists()
 
     client, _, _ = runs_of(mlflow_server, "slurm_runner")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner").experiment_id])
@@ -251,7 +251,7 @@ def test_scancel_of_the_runner_job_kills_its_run_and_stops_ray(slurm_cluster, ml
 
     output = (folder / f"slurm-{job}.out").read_text()
     assert "slurm-ray: stopped by a signal: stopping Ray" in output and "slurm-ray: Ray stopped on 1 node(s)" in output
-    assert not slurm_ray.answers(*ray_head(slurm_cluster, job, output))
+    assert not ports.answers(*ray_head(slurm_cluster, job, output), 2)
     client, _, _ = runs_of(mlflow_server, "slurm_runner_scancel")
     (run,) = client.search_runs([client.get_experiment_by_name("slurm_runner_scancel").experiment_id])
     assert (run.info.status, run.data.tags.get("error")) == ("KILLED", "interrupted (SIGTERM)"), output[-4000:]
@@ -274,6 +274,6 @@ def test_slurm_ray_outside_an_allocation_is_one_line(tmp_path):
 
 
 def test_slurm_per_node_counts_are_expanded():
-    assert slurm_ray.expand_counts("2(x3),1") == [2, 2, 2, 1]
-    assert slurm_ray.expand_counts("4") == [4]
+    assert allocation.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert allocation.expand_counts("4") == [4]
 

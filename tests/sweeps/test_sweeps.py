@@ -220,7 +220,7 @@ def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
 
 # Trials at once, each in its own Ray worker process: more than the machine's cores (CI has 2), so
 # that their writes interleave. scripts/concurrency.py runs the same check with 16
-# (docs/concurrency.md); tests/test_server.py writes from 8 at once into PostgreSQL.
+# (docs/concurrency.md); tests/commands/test_server.py writes from 8 at once into PostgreSQL.
 CONCURRENT = 4
 
 

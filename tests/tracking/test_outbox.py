@@ -43,7 +43,7 @@ class Said(logging.Handler):
 
 
 def test_a_server_that_goes_away_mid_run_gets_every_step_exactly_once(make_cfg, tmp_path, caplog):
-    from orchestrate.server import MlflowServer
+    from orchestrate.cluster.mlflow_server import MlflowServer
 
     store, artifacts = f"sqlite:///{tmp_path}/server.db", tmp_path / "artifacts"
     log = open(tmp_path / "server.log", "w")

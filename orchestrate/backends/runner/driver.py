@@ -50,10 +50,11 @@ from typing import Annotated, Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import ort, ray_cluster, schema, signals, stack
+from orchestrate import ort, schema, signals
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.backends.runner import relay as relays
 from orchestrate.backends.runner import storage
+from orchestrate.cluster import ray_cluster, warm
 from orchestrate.meter import Diverged, world_sizes
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
 from orchestrate.thirdparty import ray_train_signals_to
@@ -233,8 +234,8 @@ class RunnerBackend(Backend):
         # elastic run needs room for its minimum; it grows as far as the rest goes).
         key, least = starting_workers(t)
         wanted = least * self.cpus_per_worker
-        warm = None if self.in_driver(t.num_workers) else stack.found()
-        have, where = (warm.num_cpus, "the warm Ray head (orchestrate up)") if warm else (os.cpu_count() or 1, "this machine")
+        head = None if self.in_driver(t.num_workers) else warm.found()
+        have, where = (head.num_cpus, "the warm Ray head (orchestrate up)") if head else (os.cpu_count() or 1, "this machine")
         if wanted > have:
             raise ConfigError(f"{key}={least} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
@@ -255,7 +256,7 @@ class RunnerBackend(Backend):
         4 s of start-up overlapped). A refused config shuts it down. None for a run in the driver."""
         node = cfg.backend
         if _in_driver(cfg.trainer.get("num_workers", 1), node.get("ray_address"), node.get("use_gpu", False)) or \
-                node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or stack.ray_address():
+                node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or warm.ray_address():
             yield
             return
         ray_environment()

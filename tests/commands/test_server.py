@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrate import server
+from orchestrate.cluster import mlflow_server
+from orchestrate.commands import server
 from tests.conftest import ROOT, client_for, metric_steps
-from tests.helpers import free_port
+from tests.helpers import command_exit, free_port
 
 STEPS = 10
 QUICK = ["data=synthetic", "trainer=quick", f"trainer.max_steps={STEPS}", "trainer.display_loss_steps=1",
@@ -53,7 +54,7 @@ class Server:
         """The own cluster, as psycopg2 reaches it: port from postmaster.pid (its 4th line)."""
         port = (self.data / "postgres" / "postmaster.pid").read_text().splitlines()[3]
         password = (self.data / "postgres.password").read_text().strip()
-        return f"postgresql://{server.USER}:{password}@127.0.0.1:{port}/{server.DATABASE}"
+        return f"postgresql://{mlflow_server.USER}:{password}@127.0.0.1:{port}/{mlflow_server.DATABASE}"
 
 
 def start(folder: Path, data: str = "data", *args: str) -> Server:
@@ -92,8 +93,8 @@ def listening(port: int) -> set[str]:
 def folder():
     """A folder the `postgres` user can enter: pytest's own temporary folders are 0700 root's."""
     try:
-        server.postgres_bin()
-    except server.ServerError as e:  # .ci/run installs PostgreSQL: without it these tests fail, saying so
+        mlflow_server.postgres_bin()
+    except mlflow_server.ServerError as e:  # .ci/run installs PostgreSQL: without it these tests fail, saying so
         pytest.fail(str(e), pytrace=False)
     if os.geteuid() == 0:
         try:
@@ -230,7 +231,7 @@ def test_a_pruning_sweeps_study_lives_in_the_servers_postgresql(team, folder):
                                       f"tracking.uri={team.uri}", f"hydra.sweeper.storage='{storage}'"),
                           cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    reach = server.with_driver(storage)  # psycopg2's driver, as the sweep reaches it
+    reach = mlflow_server.with_driver(storage)  # psycopg2's driver, as the sweep reaches it
     (summary,) = optuna.get_all_study_summaries(reach)
     study = optuna.load_study(study_name=summary.study_name, storage=reach)
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "PRUNED", "PRUNED"]
@@ -266,21 +267,21 @@ def test_a_port_in_use_is_one_message(capsys, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert server.main(["--port", str(port), "--data-dir", str(tmp_path)]) == 2
+        assert command_exit(server.main, ["--port", str(port), "--data-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"error: --port={port}: 127.0.0.1:{port} is not free (Address already in "
                                        "use); another server may be running there: stop it or choose another --port\n")
 
 
 def test_missing_postgresql_is_one_message(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(server, "DEBIAN_BINS", str(tmp_path / "postgresql" / "*" / "bin"))
-    assert server.main(["--port", str(free_port()), "--data-dir", str(tmp_path / "data")]) == 2
+    monkeypatch.setattr(mlflow_server, "DEBIAN_BINS", str(tmp_path / "postgresql" / "*" / "bin"))
+    assert command_exit(server.main, ["--port", str(free_port()), "--data-dir", str(tmp_path / "data")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: PostgreSQL not found (initdb, pg_ctl, postgres on PATH or in ")
     assert "apt-get install postgresql" in err and "--backend-store-uri" in err
 
 
 def test_a_store_that_is_not_postgresql_is_refused(capsys):
-    assert server.main(["--port", str(free_port()), "--backend-store-uri", "sqlite:///mlflow.db"]) == 2
+    assert command_exit(server.main, ["--port", str(free_port()), "--backend-store-uri", "sqlite:///mlflow.db"]) == 2
     assert capsys.readouterr().err == ("error: --backend-store-uri=sqlite:///mlflow.db: not a PostgreSQL URI; "
                                        "allowed: postgresql://USER:PASSWORD@HOST:PORT/DATABASE\n")

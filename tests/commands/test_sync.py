@@ -8,6 +8,7 @@ import numpy as np
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.outbox import UNSENT_FILE
 from tests.conftest import client_for
+from tests.helpers import command_exit
 
 
 def tiny_onnx(path) -> None:
@@ -29,8 +30,8 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
     points, the trained model and the run's end go to mlflow_unsent.jsonl); it comes back;
     `orchestrate sync RUN_FOLDER` logs them into the same run, each point once, the model as its
     LoggedModel, and ends the run FINISHED, as the run itself would have; a second sync sends nothing."""
-    from orchestrate import sync
-    from orchestrate.server import MlflowServer
+    from orchestrate.cluster.mlflow_server import MlflowServer
+    from orchestrate.commands import sync
     from tests.helpers import free_port
 
     # The run is made in the server's store directly (one server start, not two); the server's
@@ -62,9 +63,9 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
 
         server = MlflowServer(store, artifacts, port=port, log=log)
         try:
-            assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
+            assert command_exit(sync.main, [str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
             assert "sent 23 item(s)" in capsys.readouterr().out
-            assert sync.main([str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
+            assert command_exit(sync.main, [str(tmp_path / "out"), "--tracking-uri", server.uri]) == 0
             assert "nothing to send (sent already)" in capsys.readouterr().out
             history = client_for(server.uri).get_metric_history(run_id, "train/loss")
             assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 21)]
@@ -78,16 +79,16 @@ def test_what_a_run_kept_for_a_server_that_never_came_back_is_synced_into_its_ru
 
 
 def test_sync_refuses_what_it_cannot_place_with_one_line(tmp_path, capsys, monkeypatch):
-    from orchestrate import sync
+    from orchestrate.commands import sync
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert sync.main([str(tmp_path / "nowhere")]) == 2
+    assert command_exit(sync.main, [str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nowhere'}: no such folder"
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / UNSENT_FILE).write_text("{}\n")
-    assert sync.main([str(tmp_path / "run")]) == 2
+    assert command_exit(sync.main, [str(tmp_path / "run")]) == 2
     assert "Give --tracking-uri" in capsys.readouterr().err
     (tmp_path / "run" / UNSENT_FILE).write_text('{"run_id": "x", "metric": "loss"}\n')
-    assert sync.main([str(tmp_path / "run"), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    assert command_exit(sync.main, [str(tmp_path / "run"), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'run' / UNSENT_FILE}:1: not a line the outbox writes")
     assert not (tmp_path / "m.db").exists()  # refused before any store was opened

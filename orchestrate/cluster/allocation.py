@@ -1,27 +1,17 @@
-"""`orchestrate slurm-ray`: the runner on a Slurm allocation, as the body of an sbatch script.
+"""Ray across a Slurm allocation (what `orchestrate slurm-ray` runs: orchestrate.commands.slurm_ray).
 
-    python -m orchestrate slurm-ray -- tracking.uri=http://MLFLOW_HOST:5000 trainer.max_steps=1000
+Ray's own recipe for Slurm (docs.ray.io, "Deploying on Slurm"): a Ray head on the allocation's
+first node (`srun --nodes=1 --ntasks=1 -w NODE ray start --head --block`), a Ray node on each
+other node the same way, joined to it, then the training command as the driver, on the first
+node, with RAY_ADDRESS pointing at the head. Each node's Ray offers the CPUs of the tasks Slurm
+put there (tasks x cpus-per-task); GPUs are the ones Slurm makes visible to the node's step. The
+cluster is the job's own: a fresh token (RAY_AUTH_MODE=token) guards it, and it is stopped when
+the command ends, fails or is cancelled.
 
-Ray's own recipe for Slurm (docs.ray.io, "Deploying on Slurm"), in one command: a Ray head on the
-allocation's first node (`srun --nodes=1 --ntasks=1 -w NODE ray start --head --block`), a Ray node
-on each other node the same way, joined to it, then the training command as the driver, on the
-first node, with RAY_ADDRESS pointing at the head:
-
-    python -m orchestrate backend=runner trainer.num_workers=$SLURM_NTASKS \\
-        backend.cpus_per_worker=$SLURM_CPUS_PER_TASK OVERRIDES...
-
-one Ray Train worker per Slurm task (the OVERRIDES come last and win). Each node's Ray offers the
-CPUs of the tasks Slurm put there (tasks x cpus-per-task), so the workers land where the tasks
-were allocated; GPUs are the ones Slurm makes visible to the node's step. The cluster is the job's
-own: a fresh token (RAY_AUTH_MODE=token) guards it, and it is stopped when the command ends,
-fails or is cancelled (SIGTERM from `scancel` or the time limit). The exit code is the training
-command's (2 for bad input here: outside an allocation, Slurm's commands missing).
-
-Every wait has a limit and names what it waited for: the head's port (--timeout, 120 s), every
-node joined (the same), the Ray processes' end (60 s, then Slurm ends their steps).
+Every wait has a limit and names what it waited for: the head's port, every node joined, the Ray
+processes' end (60 s, then Slurm ends their steps).
 """
 
-import argparse
 import os
 import secrets
 import shutil
@@ -34,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrate import errors
+from orchestrate.cluster.ports import answers, free_port
 from orchestrate.tracking.handover import RUN_FILE_VARIABLE, end_run_left_open
 
 STOP_TIMEOUT_S = 60  # each `ray start --block` step's end after SIGTERM (then it is killed)
@@ -44,7 +36,7 @@ DRIVER_STOP_TIMEOUT_S = 8
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
-class SlurmRayError(Exception):
+class SlurmRayError(errors.Refused):
     """Bad input or a wait that ran out: one line, exit code 2."""
 
 
@@ -105,13 +97,6 @@ def node_address(node: str) -> str:
         raise SlurmRayError(f"node {node}: its address {addr} does not resolve ({e})") from None
 
 
-def free_port() -> int:
-    """A free TCP port on this machine, the allocation's first node, where the head starts."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RayStep:
     """`srun` one task on `node` with its `cpus`, running `ray start ... --block` (Ray's guide): the
@@ -157,14 +142,6 @@ def wait_for(what: str, ready, steps: list[RayStep], timeout_s: float) -> None:
         time.sleep(1)
 
 
-def answers(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
 def wait_for_nodes(address: str, count: int, steps: list[RayStep], timeout_s: float) -> None:
     """Wait until `count` Ray nodes are alive in the cluster at `address`: this process joins it as a
     driver to count them, and leaves. Ray's init and shutdown set SIGTERM's handler: ours comes back."""
@@ -207,7 +184,7 @@ def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[R
            "RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
     if head_ip in LOOPBACK:
         # A one-node cluster on 127.0.0.1 (tests): without this Ray swaps loopback for the machine's
-        # network address (orchestrate.ray_cluster says more).
+        # network address (orchestrate.cluster.ray_cluster says more).
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.update({k: env[k] for k in env if k.startswith("RAY_")})  # this process counts the nodes
     cpus = [tasks * allocation.cpus_per_task for tasks in allocation.tasks_per_node]
@@ -222,8 +199,8 @@ def start_ray(allocation: Allocation, port: int, timeout_s: float, steps: list[R
     steps.append(RayStep.start(allocation.job_id, allocation.nodes[0], cpus[0], "--head", f"--port={port}",
                                f"--temp-dir={head_folder(allocation.job_id)}",
                                f"--node-ip-address={head_ip}", "--include-dashboard=true",
-                               f"--dashboard-host={head_ip}", f"--dashboard-port={free_port()}", env=env))
-    wait_for(f"the Ray head on {allocation.nodes[0]} to answer at {address}", lambda: answers(head_ip, port),
+                               f"--dashboard-host={head_ip}", f"--dashboard-port={free_port('')}", env=env))
+    wait_for(f"the Ray head on {allocation.nodes[0]} to answer at {address}", lambda: answers(head_ip, port, 2),
              steps, timeout_s)
     for node, node_cpus in zip(allocation.nodes[1:], cpus[1:]):
         steps.append(RayStep.start(allocation.job_id, node, node_cpus, f"--address={address}",
@@ -270,53 +247,7 @@ def run_driver(command: list[str], env: dict, named_in: Path) -> int:
             driver.wait()
         print(f"slurm-ray: the training command ended {time.monotonic() - began:.1f} s after the signal "
               f"(exit code {driver.returncode})", file=sys.stderr, flush=True)
-        said = end_run_left_open(named_in, "SIGTERM" if isinstance(e, Terminated) else "SIGINT")
+        said = end_run_left_open(named_in, signal.Signals(getattr(e, "signum", signal.SIGINT)).name)
         if said:
             print(f"slurm-ray: {said}", file=sys.stderr, flush=True)
         raise
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (scancel, the time limit): stop as on Ctrl-C."""
-
-
-def stop_on_sigterm(signum, frame) -> None:
-    raise Terminated
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="orchestrate slurm-ray", description=__doc__.split("\n\n")[0])
-    p.add_argument("--port", type=int, help="the Ray head's port on the first node (default: a free one)")
-    p.add_argument("--timeout", type=float, default=120, help="seconds to wait for the head, and for every node")
-    p.add_argument("overrides", nargs="*", help="the training command's overrides, after `--`")
-    p.error = lambda message: fail(f"{message}; see --help")
-    return p.parse_args(argv)
-
-
-def fail(message: str) -> None:
-    print(f"error: orchestrate slurm-ray: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def main(argv: list[str]) -> int:
-    args = parse(argv)
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    steps: list[RayStep] = []
-    try:
-        allocation = Allocation.from_environment()
-        env = start_ray(allocation, args.port or free_port(), args.timeout, steps)
-        command = [sys.executable, "-m", "orchestrate", "backend=runner", f"trainer.num_workers={allocation.tasks}",
-                   f"backend.cpus_per_worker={allocation.cpus_per_task}", *args.overrides]
-        print(f"slurm-ray: python {' '.join(command[1:])}", flush=True)
-        return run_driver(command, env, run_file(allocation.job_id))
-    except SlurmRayError as e:
-        fail(str(e))
-    except KeyboardInterrupt as e:
-        print("slurm-ray: stopped by a signal: stopping Ray", file=sys.stderr, flush=True)
-        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # as a shell reports it
-    finally:
-        stop_ray(steps)
-        if steps:
-            shutil.rmtree(head_folder(allocation.job_id), ignore_errors=True)
-            run_file(allocation.job_id).unlink(missing_ok=True)
-        signal.signal(signal.SIGTERM, previous)

@@ -41,6 +41,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from orchestrate import extras
+from orchestrate.errors import first_line
 
 EXTENSIONS_INSTALL = "python -m onnxruntime.training.ortmodule.torch_cpp_extensions.install"
 # Both packages install the one `onnxruntime` module (training included); the inference-only
@@ -69,7 +70,7 @@ def tested_stack(extra: str = "") -> tuple[str, list[Requirement]]:
     `extra`'s: the checkout's pyproject.toml when this code runs from one (an editable install's
     metadata is only as new as its last `pip install -e .`), else the installed distribution's
     metadata. Requirements whose markers leave them out of this environment are left out."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"  # orchestrate/commands/ -> the checkout
     if pyproject.is_file() and tomllib.loads(pyproject.read_text()).get("project", {}).get("name") == "orchestrate":
         project = tomllib.loads(pyproject.read_text())["project"]
         python = project["requires-python"]
@@ -92,7 +93,8 @@ def installed(name: str) -> str | None:
 
 
 def pip_install(req: Requirement) -> str:
-    text = str(req)
+    """The pip command that installs `req` as declared (its marker, which chose it, left out)."""
+    text = f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}{req.specifier}"
     return f"pip install '{text}'" if any(c in text for c in "[<>,;") else f"pip install {text}"
 
 
@@ -213,7 +215,7 @@ def check_ort_build(scratch: Path) -> tuple[bool, str]:
 
             providers = onnxruntime.get_available_providers()
     except Exception as e:
-        return False, (f"onnxruntime build: import onnxruntime fails ({first_line(e)}) -> pip install "
+        return False, (f"onnxruntime build: import onnxruntime fails ({first_line(e, typed=True)}) -> pip install "
                        f"--force-reinstall onnxruntime-training-cpu==1.19.2")
     package, cuda = getattr(info, "package_name", "?"), getattr(info, "cuda_version", "")
     if not (folder / "training").is_dir():
@@ -250,7 +252,7 @@ def check_extensions(scratch: Path) -> tuple[bool, str]:
             try:  # by the name ORT imports them with (a second name would load the library twice)
                 importlib.import_module(f"onnxruntime.training.ortmodule.torch_cpp_extensions.{name}")
             except Exception as e:
-                return False, f"{what}: {name} does not load ({first_line(e)}): built for another torch? {fix}"
+                return False, f"{what}: {name} does not load ({first_line(e, typed=True)}): built for another torch? {fix}"
             names.append(name)
     return True, f"{what} built and loadable ({', '.join(names)})"
 
@@ -268,11 +270,11 @@ def check_tracking(uri: str, source: str, timeout_s: float) -> tuple[bool, str]:
                    "--tracking-uri / tracking.uri at one that answers")
 
 
-# Joins the cluster the way a run does (orchestrate.ray_cluster.init), in a child process: a Ray
+# Joins the cluster the way a run does (orchestrate.cluster.ray_cluster.init), in a child process: a Ray
 # that half-answers can block ray.init for minutes, and a child can be given up on.
 RAY_PROBE = """
 import json, sys
-from orchestrate import ray_cluster
+from orchestrate.cluster import ray_cluster
 ray_cluster.init(sys.argv[1], sys.argv[2])
 import ray
 nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -283,13 +285,13 @@ print(json.dumps({"nodes": len(nodes), "CPU": resources.get("CPU", 0), "GPU": re
 
 def check_ray(address: str | None, key: str, timeout_s: float) -> tuple[bool, str]:
     if not address:
-        from orchestrate import stack
+        from orchestrate.cluster import warm as warm_stack
 
-        warm = stack.found()
+        warm = warm_stack.found()
         if warm is not None:
             return True, f"ray: no cluster address; runs join the warm head at {warm.ray_address} (orchestrate up)"
         return True, "ray: no cluster address; runs start a local Ray"
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
 
     fix = f"-> start the cluster (ray start --head --node-ip-address=...), or correct or unset {key}"
     try:  # nothing listening: known within seconds, without Ray's own retries
@@ -341,7 +343,7 @@ def smoke(name: str, overrides: list[str], scratch: Path, extensions_ok: bool) -
     except BaseException as e:  # a smoke run's failure is this check's result, whatever it is
         if isinstance(e, KeyboardInterrupt):
             raise
-        return False, f"{what}: {first_line(e)} (full output: {log})"
+        return False, f"{what}: {first_line(e, typed=True)} (full output: {log})"
     m = result.metrics
     return True, (f"{what}: {cfg.trainer.max_steps} steps, train loss {m['train_loss']:.4f}, "
                   f"{m.get('wall_time_s', 0):.1f} s training, {time.perf_counter() - began:.1f} s in all")
@@ -366,11 +368,6 @@ def backends_here(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         else:
             here.append(name)
     return here, missing
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -401,14 +398,17 @@ UPSTREAM = ("ORT training is frozen upstream: onnxruntime-training 1.19.2 (2024-
 
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
-    from orchestrate.boundary import COMPOSITION_ERRORS, explain
+    from orchestrate.boundary import CHECK, TOOL, Where, boundary
     from orchestrate.config import load_config
 
-    try:
+    with boundary(Where(CHECK, overrides=overrides)):  # a wrong override: the run's own words
         cfg = load_config(overrides)
-    except COMPOSITION_ERRORS as e:
-        print(f"error: {explain(e, overrides)}", file=sys.stderr)
-        return 2
+    with boundary(Where(TOOL)):
+        return diagnose(args, overrides, cfg)
+
+
+def diagnose(args: argparse.Namespace, overrides: list[str], cfg) -> int:
+    """Every check, one line each, then the count: 0 when all passed, 1 otherwise."""
     report = Report()
     scratch = Path(tempfile.mkdtemp(prefix="orchestrate-doctor-"))
     keep_scratch = False

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrate import doctor
+from orchestrate.commands import doctor
 from tests import guide
-from tests.helpers import free_port, loopback_cluster
+from tests.helpers import command_exit, free_port, loopback_cluster
 
 BACKENDS = sorted(p.stem for p in (Path(doctor.__file__).parent / "conf" / "backend").glob("*.yaml"))
 
@@ -172,7 +172,7 @@ def test_unreachable_ray_address_fails_without_hanging(broken):
 
 
 def test_bad_override_is_refused_with_exit_code_2(capsys):
-    assert doctor.main(["tracking=nope", "--no-smoke"]) == 2
+    assert command_exit(doctor.main, ["tracking=nope", "--no-smoke"]) == 2
     assert "tracking=nope: no such choice" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""What Ray prints on the driver that says nothing to act on (orchestrate.ray_cluster): lines its
+"""What Ray prints on the driver that says nothing to act on (orchestrate.cluster.ray_cluster): lines its
 own processes relay that RAY_NOISE names are skipped by Ray's log deduplicator, through the
 variable Ray reads when it is imported; the variable is put back afterwards. And the guide's
 step that makes a Ray token: the file it leaves is its owner's alone."""
@@ -17,7 +17,7 @@ import pytest
 # the variable as the process has it afterwards.
 RELAY = """
 import json, os
-from orchestrate import ray_cluster
+from orchestrate.cluster import ray_cluster
 ray_cluster._quiet_import()
 from ray._private import ray_logging
 lines = ["Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.",
@@ -68,7 +68,7 @@ def test_a_working_folder_past_rays_limit_is_one_line_naming_the_folder(monkeypa
     """Ray's own refusal (its package upload, with its limit lowered to 10 bytes) as the command says it."""
     from ray._private.runtime_env import packaging
 
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
 
     monkeypatch.setattr(packaging, "GCS_STORAGE_MAX_SIZE", 10)
     monkeypatch.chdir(tmp_path)
@@ -87,7 +87,7 @@ def test_auto_is_checked_as_the_address_it_names(monkeypatch):
     seconds when nothing answers there, in the words an address gets, `auto` named."""
     import time
 
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
     from tests.helpers import free_port
 
     port = free_port()

@@ -24,24 +24,25 @@ the head keeps its files in a temp folder of its own, so a user's own `ray start
 and the address file there) and this head never meet, and `orchestrate down` stops this head's
 processes only (`ray stop` would stop every Ray on the machine).
 
-This module imports nothing else of orchestrate at import time: `ray_cluster` (which the Hydra
-launcher plugin uses alone) asks it for the head.
+This module imports nothing else of orchestrate at import time but `ports` and `errors`: `ray_cluster` (which
+the Hydra launcher plugin uses alone) asks it for the head.
 """
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from orchestrate import errors
+from orchestrate.cluster.ports import answers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ ANSWER_TIMEOUT_S = 0.5  # a recorded head or server that does not accept a conne
 # workers' parents, so a warm head needs what a local instance started by a command gets.
 HEAD_ENVIRONMENT = {
     "RAY_AUTH_MODE": "token",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every port on 127.0.0.1 (orchestrate.ray_cluster)
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every port on 127.0.0.1 (orchestrate.cluster.ray_cluster)
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # `down` need not wait for Ray Train's detached actors
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",  # as orchestrate.backends.runner.driver.ray_environment
@@ -98,11 +99,7 @@ class Stack:
 
 def _answers(hostport: str) -> bool:
     host, _, port = hostport.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT_S).close()
-        return True
-    except (OSError, ValueError):
-        return False
+    return port.isdigit() and answers(host, int(port), ANSWER_TIMEOUT_S)
 
 
 def _alive(pid: int) -> bool:
@@ -162,7 +159,7 @@ def server_for(store_uri: str) -> Stack | None:
 
 
 def start_line(ray: str | None, server: bool | None) -> str:
-    """The summary's line on how a command started: `ray` as orchestrate.ray_cluster.how() says
+    """The summary's line on how a command started: `ray` as orchestrate.cluster.ray_cluster.how() says
     (warm, cold, cluster; None: no Ray), `server` whether the sweep's MLflow server was the warm
     stack's (None: no server of its own)."""
     warm = [what for what, yes in (("the Ray head", ray == "warm"), ("the MLflow server", server is True)) if yes]
@@ -196,13 +193,13 @@ def _private_token() -> None:
         made = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
                               capture_output=True, text=True, umask=0o077, timeout=START_TIMEOUT_S)
         if made.returncode != 0 or not TOKEN.exists():
-            raise RuntimeError(f"`ray get-auth-token --generate` made no token in {TOKEN} (exit code "
+            raise errors.Failed(f"`ray get-auth-token --generate` made no token in {TOKEN} (exit code "
                                f"{made.returncode})")
     TOKEN.chmod(0o600)
 
 
 def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str]:
-    from orchestrate.server import free_port
+    from orchestrate.cluster.ports import free_port
 
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="orchestrate-ray-", dir="/tmp")  # short: Ray's socket paths are limited
@@ -218,11 +215,11 @@ def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str
     deadline = time.monotonic() + START_TIMEOUT_S
     while "Ray runtime started" not in (folder / "ray-head.log").read_text(errors="replace"):
         if proc.poll() is not None:
-            raise RuntimeError(f"`ray start --head` exited with code {proc.returncode}; its output: "
+            raise errors.Failed(f"`ray start --head` exited with code {proc.returncode}; its output: "
                                f"{folder / 'ray-head.log'}")
         if time.monotonic() > deadline:
             _stop_pid(proc.pid)
-            raise RuntimeError(f"the Ray head did not start within {START_TIMEOUT_S} s; its output: "
+            raise errors.Failed(f"the Ray head did not start within {START_TIMEOUT_S} s; its output: "
                                f"{folder / 'ray-head.log'}")
         time.sleep(0.2)
     return proc, address, temp_dir
@@ -232,12 +229,12 @@ def up(num_cpus: int | None, store: str) -> Stack:
     """Start the stack, record it, and return it (`main` first looks for one that is up)."""
     import ray
 
-    from orchestrate.server import MlflowServer
+    from orchestrate.cluster.mlflow_server import MlflowServer
     from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, write_ahead
 
     store = absolute_uri(store)
     if not store.startswith("sqlite:///"):
-        raise ValueError(f"--store={store}: allowed: a SQLite store (sqlite:///PATH); a team's server on "
+        raise errors.Refused(f"--store={store}: allowed: a SQLite store (sqlite:///PATH); a team's server on "
                          "PostgreSQL is `orchestrate server`")
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -297,44 +294,3 @@ def down() -> Stack | None:
     shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)
     record_path().unlink(missing_ok=True)
     return stack
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate up", description="Start (or show) the warm local stack: "
-                                     "a Ray head and the MLflow server in front of a SQLite store, left running.")
-    parser.add_argument("--num-cpus", type=int, default=None, help="the head's logical CPUs (default: this machine's)")
-    parser.add_argument("--store", default="sqlite:///mlflow.db",
-                        help="the SQLite store the server fronts (default: ./mlflow.db, a command's default store)")
-    parser.add_argument("--status", action="store_true", help="say what is up; exit 1 when nothing is")
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
-    if args.status:
-        stack = found()
-        print(f"warm: {stack.describe()}" if stack else "cold: no warm stack is up (`orchestrate up` starts one)")
-        return 0 if stack else 1
-    if args.num_cpus is not None and args.num_cpus < 1:
-        print(f"error: --num-cpus={args.num_cpus}: must be 1 or more", file=sys.stderr)
-        return 2
-    running = found()
-    if running is not None:
-        print(f"already up: {running.describe()}\n`orchestrate down` stops it (then `orchestrate up` starts one for "
-              "another store or size).", flush=True)
-        return 0
-    try:
-        stack = up(args.num_cpus, args.store)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # what it started failed (ServerError too)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"up: {stack.describe()}\nCommands on this machine join it by themselves; `orchestrate down` stops it.",
-          flush=True)
-    return 0
-
-
-def main_down(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="orchestrate down", description="Stop the warm local stack.").parse_args(argv)
-    stack = down()
-    print(f"stopped: {stack.describe()}" if stack else "nothing to stop: no warm stack is recorded", flush=True)
-    return 0

@@ -21,10 +21,11 @@ when the server did not take it all, 2 for bad arguments.
 import argparse
 import logging
 import os
-import sys
 import threading
 from pathlib import Path
 
+from orchestrate import errors
+from orchestrate.boundary import TOOL, Where, boundary
 from orchestrate.redact import HIDDEN, redact_text
 from orchestrate.tracking.outbox import SENT_SUFFIX, UNSENT_FILE, ThreadFilter, cause, read_unsent, send_unsent
 
@@ -46,44 +47,48 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tracking-uri", help="the MLflow store the runs log to (default: MLFLOW_TRACKING_URI, "
                                                "else the tracking.uri in the folder's .hydra/config.yaml)")
     args = parser.parse_args(argv)
+    with boundary(Where(TOOL)):
+        return sync(args.folders, args.tracking_uri)
+
+
+def sync(folders: list[Path], tracking_uri: str | None) -> int:
+    """Send each folder's kept items (0); errors.Refused for a folder it cannot place, before
+    anything is sent from it; errors.Failed naming those the server did not take (kept for next
+    time), once every folder was tried."""
     from mlflow.tracking import MlflowClient
 
     from orchestrate.tracking.settings import quick_http, set_env
 
-    failed = False
+    not_taken = []
     env_before = quick_http()  # a server still away answers within seconds, not minutes
     # urllib3 says "Retrying ..." for each failed try: a server still away gets this command's one line.
     quiet = ThreadFilter(threading.current_thread())
     logging.getLogger("urllib3.connectionpool").addFilter(quiet)
     try:
-        for folder in args.folders:
+        for folder in folders:
             path = folder / UNSENT_FILE
             if not folder.is_dir():
-                print(f"error: {folder}: no such folder", file=sys.stderr)
-                return 2
+                raise errors.Refused(f"{folder}: no such folder")
             if not path.is_file():
                 done = path.with_name(path.name + SENT_SUFFIX).is_file()
                 print(f"{folder}: nothing to send" + (" (sent already)" if done else ""), flush=True)
                 continue
-            uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or folder_uri(folder)
+            uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or folder_uri(folder)
             if not uri:
-                print(f"error: {folder}: which MLflow store? Give --tracking-uri (or set MLFLOW_TRACKING_URI)",
-                      file=sys.stderr)
-                return 2
+                raise errors.Refused(f"{folder}: which MLflow store? Give --tracking-uri (or set MLFLOW_TRACKING_URI)")
             try:
                 items = read_unsent(path)  # before any store is opened: a SQLite one would be created
             except ValueError as e:  # read_unsent names the line
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+                raise errors.Refused(str(e)) from None
             try:
                 sent = send_unsent(MlflowClient(tracking_uri=uri), path, items)
             except Exception as e:  # noqa: BLE001 - one line per folder, the file stays for next time
-                print(f"error: {folder}: MLflow at {redact_text(uri)} did not take it ({cause(e)}); "
-                      f"{path} is kept: run this again later", file=sys.stderr)
-                failed = True
+                not_taken.append(f"{folder}: MLflow at {redact_text(uri)} did not take it ({cause(e)}); {path} is kept")
                 continue
             print(f"{folder}: sent {sent} item(s) to {redact_text(uri)}", flush=True)
     finally:
         logging.getLogger("urllib3.connectionpool").removeFilter(quiet)
         set_env(env_before)
-    return 1 if failed else 0
+    if not_taken:
+        raise errors.Failed("; ".join(not_taken) + ": run this again later")
+    return 0

@@ -121,7 +121,7 @@ def test_the_head_refuses_a_client_without_its_token(head, client, submitted, tm
     assert set(submitted.values()) <= {job.submission_id for job in client.list_jobs()}
 
 
-@long("tests/test_ray_jobs.py::test_ray_job_submit_from_the_drivers_host_runs_the_users_runner_on_hosts_that_share_nothing")
+@long("tests/cluster/test_ray_jobs.py::test_ray_job_submit_from_the_drivers_host_runs_the_users_runner_on_hosts_that_share_nothing")
 def test_ray_job_submit_runs_the_runner_on_a_cluster(head, submitted, mlflow_server, tmp_path):
     """The guide's `ray job submit` command (docs/runner.md) against the head (its placeholders
     filled in), with RAY_AUTH_MODE=token as the guide exports it; the Python-submitted jobs run

@@ -8,7 +8,7 @@ Two Ray behaviours shape `init` (Ray 2.60, measured here):
   `_node_ip_address="127.0.0.1"`) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before `import ray`;
   with it every port Ray opens is bound to 127.0.0.1.
 `ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined. With no address at
-all, the warm head `orchestrate up` left running (orchestrate.stack) is joined before a new local
+all, the warm head `orchestrate up` left running (orchestrate.cluster.warm) is joined before a new local
 instance is started: the same command, warm.
 
 Two things Ray prints say nothing to act on, and stay off the console: lines its own processes
@@ -17,7 +17,7 @@ print that `RAY_NOISE` names (they stay in those processes' log files, in the se
 on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chosen silently).
 
 This module imports, and only when called, nothing of orchestrate but what imports nothing itself:
-the warm head's record (orchestrate.stack), a free port (orchestrate.server) and set_env
+the warm head's record (orchestrate.cluster.warm), a free port (orchestrate.cluster.ports) and set_env
 (orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own:
 `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and `PlacementError`
 (a RuntimeError: the cluster cannot hold what was asked for in time).
@@ -84,9 +84,9 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     warm = None
     if address is None and not _initialized():
-        from orchestrate import stack
+        from orchestrate.cluster import warm as warm_stack
 
-        warm = address = stack.ray_address()
+        warm = address = warm_stack.ray_address()
         if warm is not None:
             os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head's mode (its token: Ray's default file)
     local = address is None or on_loopback(address)
@@ -114,7 +114,7 @@ def _start(address: str | None, key: str, **local_options) -> bool:
     options = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
     try:
         if address is None:
-            from orchestrate.server import free_port
+            from orchestrate.cluster.ports import free_port
             from orchestrate.tracking.settings import set_env
 
             port = free_port()

@@ -1,4 +1,4 @@
-"""`orchestrate up` / `orchestrate down` (orchestrate.stack): the session's warm stack (started
+"""`orchestrate up` / `orchestrate down` (orchestrate.cluster.warm): the session's warm stack (started
 once, as a user starts it, by tests/conftest.py's `warm_stack`), joined by a sweep typed as usual,
 clusters refused up front, then stopped (a cold runner beside it: tests/backends/test_runner.py's
 console test). A record whose stack is gone is
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrate import stack
+from orchestrate.cluster import warm
 from tests.conftest import sweep_runs
 from tests.test_server import LOOPBACK, listening
 
@@ -27,19 +27,19 @@ def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subp
 
 
 @pytest.fixture(scope="module")
-def warm(warm_stack):
+def warm_up(warm_stack):
     """The session's warm stack (tests/conftest.py): (its folder, its state folder, what `up`
     printed). The last test here stops it."""
     return warm_stack.folder, warm_stack.state, warm_stack.printed
 
 
-def record(state: Path) -> stack.Stack:
-    return stack.Stack(**json.loads((state / "stack.json").read_text()))
+def record(state: Path) -> warm.Stack:
+    return warm.Stack(**json.loads((state / "stack.json").read_text()))
 
 
 @pytest.mark.slow
-def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
-    folder, state, printed = warm
+def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm_up):
+    folder, state, printed = warm_up
     up = record(state)
     assert printed.startswith(f"up: Ray {up.ray_version} at {up.ray_address} (2 CPUs, token auth) and the MLflow "
                               f"server {up.server_uri} in front of sqlite:///{folder}/mlflow.db")
@@ -57,10 +57,10 @@ def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm):
 
 
 @pytest.mark.slow
-def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm):
+def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm_up):
     """(A runner's worker group joining the warm head: the guide's runner commands, which
     tests/test_readme.py runs warm.)"""
-    folder, state, _ = warm
+    folder, state, _ = warm_up
     short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
     swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, cwd=folder, state=state)
     assert swept.returncode == 0, swept.stderr[-3000:]
@@ -78,34 +78,34 @@ def test_a_record_whose_stack_is_gone_is_ignored_with_one_line(tmp_path, monkeyp
     from tests.helpers import free_port
 
     monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
-    gone = stack.Stack(ray_address=f"127.0.0.1:{free_port()}", ray_pid=2**22 + 1, ray_temp_dir=str(tmp_path / "t"),
+    gone = warm.Stack(ray_address=f"127.0.0.1:{free_port()}", ray_pid=2**22 + 1, ray_temp_dir=str(tmp_path / "t"),
                        ray_version="2.60.0", num_cpus=2, store=f"sqlite:///{tmp_path}/mlflow.db",
                        server_uri=f"http://127.0.0.1:{free_port()}", server_pid=2**22 + 2,
                        artifacts=str(tmp_path / "a"))
     (tmp_path / "stack.json").write_text(json.dumps(gone.__dict__))
     began = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="orchestrate.stack"):
-        assert stack.found() is None and stack.ray_address() is None
+    with caplog.at_level(logging.WARNING, logger="orchestrate.cluster.warm"):
+        assert warm.found() is None and warm.ray_address() is None
     assert time.monotonic() - began < 5  # a socket connect, not Ray's minutes of retries
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"the warm stack recorded in {tmp_path / 'stack.json'} is gone (nothing answers at "
                            f"{gone.ray_address}); ignoring it")
-    assert stack.start_line(None, None) == "one process: no Ray and no server to keep warm"
+    assert warm.start_line(None, None) == "one process: no Ray and no server to keep warm"
 
 
 def test_no_record_means_cold(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
-    assert stack.found() is None and stack.server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
-    assert stack.start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this command")
+    assert warm.found() is None and warm.server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
+    assert warm.start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this command")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("words", [["backend=runner"], ["+sweep=lr_grid", "backend=torch"],
                                    ["backend=runner", "backend.ray_address=auto"]], ids=["runner", "sweep", "auto"])
-def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm, tmp_path, words):
+def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm_up, tmp_path, words):
     """As fast and as plainly for `backend.ray_address=auto` (the cluster Ray would find: here
     RAY_ADDRESS's) as for an address."""
-    _, state, _ = warm
+    _, state, _ = warm_up
     named = "backend.ray_address=auto" if "backend.ray_address=auto" in words else f"RAY_ADDRESS={record(state).ray_address}"
     env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state), "RAY_ADDRESS": record(state).ray_address,
            "RAY_AUTH_TOKEN": "0" * 32}
@@ -120,12 +120,12 @@ def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm, tm
 
 
 @pytest.mark.slow
-def test_a_head_of_another_ray_version_is_refused_by_name(warm, monkeypatch):
+def test_a_head_of_another_ray_version_is_refused_by_name(warm_up, monkeypatch):
     import ray
 
-    from orchestrate import ray_cluster
+    from orchestrate.cluster import ray_cluster
 
-    _, state, _ = warm
+    _, state, _ = warm_up
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # what the check may set in this process is put back after
     monkeypatch.setattr(ray, "__version__", "2.0.0")
     with pytest.raises(ray_cluster.RayUnavailable) as refused:
@@ -136,8 +136,8 @@ def test_a_head_of_another_ray_version_is_refused_by_name(warm, monkeypatch):
 
 
 @pytest.mark.slow
-def test_down_stops_every_process_of_the_stack(warm):
-    folder, state, _ = warm
+def test_down_stops_every_process_of_the_stack(warm_up):
+    folder, state, _ = warm_up
     up = record(state)
     done = orchestrate("down", cwd=folder, state=state)
     assert done.returncode == 0 and done.stdout.startswith(f"stopped: Ray {up.ray_version} at {up.ray_address}")
