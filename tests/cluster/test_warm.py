@@ -16,8 +16,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrate.cluster import warm
+from tests.commands.test_server import LOOPBACK, listening
 from tests.conftest import sweep_runs
-from tests.test_server import LOOPBACK, listening
 
 
 def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subprocess.CompletedProcess:
