@@ -1,4 +1,5 @@
-"""The interface every backend implements, and the data-parallel context its loop runs in.
+"""The interface every backend implements (`Backend`), and the backends of conf/backend/ by what
+they can do (`backend_configs`).
 
 Small on purpose: what loops share lives beside them (`orchestrate.job.Job`: settings and built
 objects; `orchestrate.meter.Meter`: steps and metrics; `orchestrate.checkpoints`). A new backend

@@ -1,5 +1,5 @@
-"""The data-parallel context on the runner's workers: what `orchestrate.backends.base.Parallel`
-does nothing for in one process. torch.distributed carries the collectives (gloo on CPU, NCCL on
+"""The data-parallel context on the runner's workers: what `orchestrate.parallel.Parallel` does
+nothing for in one process. torch.distributed carries the collectives (gloo on CPU, NCCL on
 GPU; Ray Train sets up the process group before the worker's function runs)."""
 
 import contextlib

@@ -324,7 +324,7 @@ class RunnerBackend(Backend):
 
         import ray
 
-        from orchestrate.backends.runner.worker import SUMMARY_FILE, worker_loop
+        from orchestrate.backends.runner.worker import SUMMARY_FILE, WorkerTask, worker_loop
 
         tracker = job.meter.tracker
         run_id = tracker.run_id if tracker else None
@@ -339,11 +339,10 @@ class RunnerBackend(Backend):
         uri = absolute_uri(tracker.uri) if tracker else None
         relay = relays.start(uri, run_id, job.out_dir.resolve(), tracker.eval_dataset) if tracker and not in_driver \
             else None
-        config = {"cfg": cfg, "engine": OmegaConf.to_container(self.engine_node()),
-                  "out_dir": str(job.out_dir.resolve()), "run_id": run_id, "in_driver": in_driver,
-                  "resume": ray.put(resume) if resume is not None and not in_driver else resume,
-                  "uri": uri, "relay": relay,
-                  "trial": job.meter.trial}  # a pruning sweep's trial: every rank stops where rank 0's pruner says
+        task = WorkerTask(cfg=cfg, engine=OmegaConf.to_container(self.engine_node()), out_dir=str(job.out_dir.resolve()),
+                          run_id=run_id, in_driver=in_driver,
+                          resume=ray.put(resume) if resume is not None and not in_driver else resume,
+                          uri=uri, relay=relay, trial=job.meter.trial)
         # Ray Train's fit() would take over SIGINT (its handler asks the controller to abort, then
         # exits with SystemExit: the run marked FAILED) and leave SIGTERM to end the driver on the
         # spot. Instead both stop the run as everywhere else (orchestrate.signals.stop_on_signals):
@@ -353,7 +352,7 @@ class RunnerBackend(Backend):
         try:
             with train_environment(self.placement_timeout_s if job.trainer.elastic else None), \
                     quiet_local_mode(in_driver):
-                trainer = self.trainer(job, worker_loop, config, in_driver, run_id)
+                trainer = self.trainer(job, worker_loop, {"task": task}, in_driver, run_id)
                 ray_train_signals_to(trainer, controllers.append)  # handed the controller actor
                 result = trainer.fit()
         except KeyboardInterrupt as e:

@@ -13,7 +13,9 @@ import logging
 import os
 import platform
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,22 +30,44 @@ SUMMARY_FILE = "summary.json"  # rank 0's history and final metrics, in its last
 WORKER_LOG = "worker_{rank}.log"  # each worker's logging, in the run's output folder (as Hydra's job log)
 
 
+@dataclass(frozen=True)
+class WorkerTask:
+    """What the driver hands every worker (driver.py -> `worker_loop`, as Ray Train's
+    `train_loop_config={"task": ...}`): the contract between them."""
+
+    cfg: dict  # the run's config, resolved; backend.engine: the engine the workers run (auto: the chosen one)
+    engine: dict  # that engine's backend config
+    out_dir: str  # the run's output folder, on the driver's node
+    run_id: str | None  # the MLflow run rank 0 logs into (None: not tracked)
+    in_driver: bool  # one worker, in the driver's own process (Ray Train's local mode)
+    # trainer.resume's checkpoint state: through Ray's object store to workers of their own (a
+    # worker on another node cannot read the driver's disk), as it is in the driver; or None.
+    resume: Any
+    uri: str | None  # the tracking store, absolute: the worker in the driver logs into it itself
+    relay: Any  # the actor on the driver's node that logs rank 0's records into the run (relay.py)
+    trial: Any  # a pruning sweep's trial: every rank stops where rank 0's pruner says (Meter.stop_early)
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.out_dir)
+
+
 def worker_loop(config: dict) -> dict | None:
     import ray.train
 
+    task: WorkerTask = config["task"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    in_driver = config.get("in_driver", False)
-    if in_driver:
+    if task.in_driver:
         # One worker in the driver's process (Ray Train's local mode): no worker group, so no
         # process group either; a one-rank one makes the same collectives (DDP's, the meter's)
         # run as they do across workers. Its log is the driver's (Hydra's app.log); Ray Train's
         # lines are kept off its console by the driver (driver.quiet_local_mode).
         with _one_rank_group():
-            return _loop(config, rank, world, in_driver)
+            return _loop(task, rank, world)
     quiet_ray_train_reports()  # not a console line per report
-    log_to_file(Path(config["out_dir"]) / WORKER_LOG.format(rank=rank))
-    return _loop(config, rank, world, in_driver)
+    log_to_file(task.folder / WORKER_LOG.format(rank=rank))
+    return _loop(task, rank, world)
 
 
 @contextlib.contextmanager
@@ -55,16 +79,27 @@ def _one_rank_group():
         dist.destroy_process_group()
 
 
-def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
+def _loop(task: WorkerTask, rank: int, world: int) -> dict | None:
+    """This rank's part of the run: (1) its job, built; (2) what it reports and logs, attached;
+    (3) the engine's own loop; (4) the summary, to the driver."""
+    job, engine = rank_job(task, rank, world)
+    reporter = attach(job, task, rank, world)
+    diverged = fit(job, engine, reporter, task.in_driver)
+    return finish(job, reporter, diverged, rank, task.in_driver)
+
+
+def rank_job(task: WorkerTask, rank: int, world: int):
+    """(1) The job for this rank and the engine it trains with: built once (the same seed: the
+    same initial weights on every rank), with the engine the driver chose and sized; nothing is
+    checked again (the driver checked the config)."""
     import ray.train
     from omegaconf import OmegaConf
 
     from orchestrate import schema
     from orchestrate.job import Job
-    from orchestrate.tracking.logger import RunLogger
     from orchestrate.tracking.settings import ONE_LOGGING_THREAD
 
-    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), config["cfg"])
+    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), task.cfg)
     os.environ.update(ONE_LOGGING_THREAD)
     if rank != 0:
         cfg.trainer.progress = False
@@ -73,16 +108,23 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
     # sizes its threads and loader from them (orchestrate.cpu), in the driver's process too.
     parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas,
                        cores=cfg.backend.cpus_per_worker)
-    # Built once, for this rank (the same seed: the same initial weights on every rank), with the
-    # engine the driver chose and sized; nothing is checked again: the driver checked the config.
-    job = Job.build(cfg, Path(config["out_dir"]), parallel=parallel)
-    engine = schema.build(OmegaConf.create(config["engine"]), "backend.engine")
+    job = Job.build(cfg, task.folder, parallel=parallel)
+    engine = schema.build(OmegaConf.create(task.engine), "backend.engine")
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
     if engine.resumable:
-        job.resume_state = resume_state(config, engine)
+        job.resume_state = resume_state(task, engine)
         if rank == 0:
             say_restarted(job, world)
-    job.meter.trial = config["trial"]  # a pruning sweep's trial, on every rank (Meter.stop_early)
+    job.meter.trial = task.trial
+    return job, engine
+
+
+def attach(job, task: WorkerTask, rank: int, world: int) -> Reporter:
+    """(2) Ray Train's reports at each display step (and each checkpoint, for an engine that
+    resumes), an elastic run's drain notice, and rank 0's logging into the run: in the driver's
+    process its own logger, on a worker (whichever host) the relay on the driver's node."""
+    from orchestrate.tracking.logger import RunLogger
+
     reporter = Reporter(job.parallel)
     draining = DrainNotice(job) if job.trainer.elastic else None
 
@@ -94,27 +136,29 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         reporter.metrics(step, metrics)
 
     job.meter.on_display = on_display
-    if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
-        job.checkpoints.on_save = reporter.checkpoint
-    if rank == 0 and config["run_id"]:
-        # In the driver's process: its own logger into the run. On a worker, whichever host it is on:
-        # the relay on the driver's node logs for it (relay.py).
-        job.track(RunLogger(config["uri"], config["run_id"], out_dir=Path(config["out_dir"])) if in_driver
-                  else RelayedLogger(config["relay"], config["run_id"], Path(config["out_dir"]) / RELAY_STAGING))
+    if rank == 0 and task.run_id:
+        job.track(RunLogger(task.uri, task.run_id, out_dir=task.folder) if task.in_driver
+                  else RelayedLogger(task.relay, task.run_id, task.folder / RELAY_STAGING))
         # The driver logged the data as the run's inputs; the model's metrics name the eval split.
-        job.meter.tracker.log_datasets(job.data, Path(cfg.data._target_).suffix[1:], record=False)
+        job.meter.tracker.log_datasets(job.data, Path(job.cfg.data._target_).suffix[1:], record=False)
         # After a restart (or trainer.resume) the run already holds steps: carry them on, log none twice.
         job.meter.continue_history(job.meter.tracker.logged_history())
         tag_resize(job, world)
     tag_workers(job, rank, world)
     if rank == 0:
         job.meter.log({"world_size": world, "effective_batch_size": job.meter.samples_per_step}, step=0)
+    return reporter
 
-    diverged = None
+
+def fit(job, engine, reporter: Reporter, in_driver: bool) -> list | None:
+    """(3) The engine's loop; a divergence (every rank at the same step: the meter agreed on it)
+    as [what, value, step] for the driver to say."""
+    if engine.resumable:  # a restarted worker goes on from the latest checkpoint Ray holds
+        job.checkpoints.on_save = reporter.checkpoint
     try:
         engine.fit(job)
-    except Diverged as e:  # every rank at the same step (the meter agreed on it): the driver says so
-        diverged = [e.what, e.value, e.step]
+    except Diverged as e:
+        return [e.what, e.value, e.step]
     except BaseException:
         if in_driver:  # a worker process would die with its threads; the driver's process goes on
             reporter.close(raise_error=False)
@@ -123,6 +167,13 @@ def _loop(config: dict, rank: int, world: int, in_driver: bool) -> dict | None:
         raise
     finally:
         job.close_data()
+    return None
+
+
+def finish(job, reporter: Reporter, diverged: list | None, rank: int, in_driver: bool) -> dict | None:
+    """(4) Rank 0's history and final metrics to the driver: as fit()'s result in the driver's
+    process, else in the last report's checkpoint."""
+    import ray.train
 
     summary = job.meter.summary()
     refused = []  # the registry's refusals of the model rank 0 logged: the driver's run fails with them
@@ -170,7 +221,7 @@ def log_to_file(path: Path) -> None:
         train.addHandler(beside)
 
 
-def resume_state(config: dict, engine) -> dict | None:
+def resume_state(task: WorkerTask, engine) -> dict | None:
     """After a worker failure: the latest checkpoint Ray holds (read by the engine that wrote it);
     else trainer.resume's, if any."""
     import ray
@@ -182,9 +233,9 @@ def resume_state(config: dict, engine) -> dict | None:
             path = Path(folder) / CHECKPOINT_FILE
             if path.exists():
                 return engine.load_checkpoint(path.read_bytes())
-    if isinstance(config["resume"], ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
-        return ray.get(config["resume"])
-    return config["resume"]  # the same, handed over in the driver's own process (or None)
+    if isinstance(task.resume, ray.ObjectRef):  # trainer.resume's checkpoint, loaded by the driver
+        return ray.get(task.resume)
+    return task.resume  # the same, handed over in the driver's own process (or None)
 
 
 def say_restarted(job, world: int) -> None:
