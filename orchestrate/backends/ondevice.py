@@ -317,32 +317,11 @@ class OnDeviceBackend(Backend):
         starts from its checkpoint's CheckpointState instead of the initial one."""
         ort.quiet(self.log_level)  # ORT's output below backend.log_level: the run's log file only
         from onnxruntime import set_seed
-        from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+        from onnxruntime.training.api import LinearLRScheduler
 
         meter, parallel, t, resume = job.meter, job.parallel, job.trainer, job.resume_state
         job.use_cores(self)  # ORT's session threads (below) and the loader's processes
-        # ORT's artifact builder logs its graph transformations at INFO from C++ whatever the
-        # settings: its lines go through logging (the log file; the console from backend.log_level).
-        with ort.stderr_logged():
-            checked = job.built.pop(self.artifacts_key(job), None)  # the check's build, of this very model
-            if checked is not None:
-                files, said = checked
-                folder.mkdir(parents=True, exist_ok=True)
-                for name, content in files.items():
-                    (folder / name).write_bytes(content)
-                ort.replay(said)  # what the build logged, in this run's log as if built here
-            else:
-                self.generate_artifacts(job, folder)
-            options = ort.session_options(job.cpu.threads, self.allow_spinning, self.mapped_dimensions,
-                                          self.log_level)
-            # The parameters generate_artifacts started from, or the resumed run's. An Optimizer
-            # built over a state that holds optimizer state takes it up: AdamW's moments and the
-            # step count (measured: the resumed run then repeats the uninterrupted one exactly).
-            state = (self.load_state(resume["checkpoint"]) if resume is not None
-                     else CheckpointState.load_checkpoint(str(folder / "checkpoint")))
-            module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
-                            device=t.device.value, session_options=options)
-            optimizer = Optimizer(str(folder / "optimizer_model.onnx"), module)
+        state, module, optimizer = self.open(job, folder)
         done = resume["step"] if resume is not None else 0
         optimizer.set_learning_rate(job.lr * t.lr_factor(done))
         # ORT ships a linear warm-up/decay scheduler; other schedules set the rate by hand each step.
@@ -396,6 +375,36 @@ class OnDeviceBackend(Backend):
 
         if parallel.logging:
             job.export_model(export)
+
+    def open(self, job, folder: Path):
+        """(CheckpointState, Module, Optimizer) of the run: over the check's artifacts of this very
+        model (written to `folder`), or artifacts generated now; from the initial parameters, or
+        the resumed run's state (`job.resume_state`). ORT's artifact builder logs its graph
+        transformations at INFO from C++ whatever the settings: its lines go through logging (the
+        log file; the console from backend.log_level)."""
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+        resume = job.resume_state
+        with ort.stderr_logged():
+            checked = job.built.pop(self.artifacts_key(job), None)  # the check's build, of this very model
+            if checked is not None:
+                files, said = checked
+                folder.mkdir(parents=True, exist_ok=True)
+                for name, content in files.items():
+                    (folder / name).write_bytes(content)
+                ort.replay(said)  # what the build logged, in this run's log as if built here
+            else:
+                self.generate_artifacts(job, folder)
+            options = ort.session_options(job.cpu.threads, self.allow_spinning, self.mapped_dimensions,
+                                          self.log_level)
+            # The parameters generate_artifacts started from, or the resumed run's. An Optimizer
+            # built over a state that holds optimizer state takes it up: AdamW's moments and the
+            # step count (measured: the resumed run then repeats the uninterrupted one exactly).
+            state = (self.load_state(resume["checkpoint"]) if resume is not None
+                     else CheckpointState.load_checkpoint(str(folder / "checkpoint")))
+            module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
+                            device=job.trainer.device.value, session_options=options)
+            return state, module, Optimizer(str(folder / "optimizer_model.onnx"), module)
 
     def evaluate(self, module, job) -> tuple[float, float | None]:
         """Forward only, through the eval graph that shares the training parameters (and the

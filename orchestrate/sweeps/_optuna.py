@@ -255,15 +255,11 @@ class Outcome:
     error: BaseException | None = None
 
 
-def sweep(sweeper, arguments: list[str]) -> None:
-    import optuna
+def rerun_interrupted(study) -> None:
+    """An earlier attempt that was killed left its running trials RUNNING: failed, and run again
+    (enqueued once: Optuna's own skip_if_exists would find the failed trial itself and skip it)."""
     from optuna.trial import TrialState
 
-    conf, config = sweeper.conf, sweeper.config
-    space = SearchSpace.parse(conf.get("params"), arguments)
-    study, storage, name = open_study(conf, config, space)
-    # An earlier attempt that was killed left its running trials RUNNING: failed, and run again
-    # (enqueued once: Optuna's own skip_if_exists would find the failed trial itself and skip it).
     waiting = [t.system_attrs.get("fixed_params", t.params)
                for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -271,11 +267,30 @@ def sweep(sweeper, arguments: list[str]) -> None:
         if trial.params not in waiting:
             study.enqueue_trial(trial.params)
             waiting.append(trial.params)
-    counted = (TrialState.COMPLETE, TrialState.PRUNED)
-    done = len(study.get_trials(deepcopy=False, states=counted))
-    to_run = max(0, int(conf["n_trials"]) - done)
-    if isinstance(study.sampler, optuna.samplers.GridSampler):  # no more trials than the grid has points
+
+
+def trials_left(study, n_trials: int, space: "SearchSpace") -> tuple[int, int]:
+    """(trials done, trials to run): n_trials counts the COMPLETE and PRUNED ones of every
+    attempt, and a grid has no more trials than points."""
+    import optuna
+    from optuna.trial import TrialState
+
+    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    to_run = max(0, n_trials - done)
+    if isinstance(study.sampler, optuna.samplers.GridSampler):
         to_run = min(to_run, max(0, math.prod(len(v) for v in space.grid().values()) - done))
+    return done, to_run
+
+
+def sweep(sweeper, arguments: list[str]) -> None:
+    """The sweep: (1) the study opened, an interrupted attempt's trials run again; (2) up to
+    `slots` trials at a time, each told to the study as it ends; (3) the results written, the
+    sweep failed past `max_failure_rate`."""
+    conf, config = sweeper.conf, sweeper.config
+    space = SearchSpace.parse(conf.get("params"), arguments)
+    study, storage, name = open_study(conf, config, space)
+    rerun_interrupted(study)
+    done, to_run = trials_left(study, int(conf["n_trials"]), space)
     # As in Study.optimize: a sampler may stop the study (GridSampler, once every point is taken).
     stop_requested = thirdparty.optuna_optimize_loop(study)
     slots = min(slot_count(sweeper, conf.get("n_jobs")), max(to_run, 1))
