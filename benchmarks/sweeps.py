@@ -18,7 +18,7 @@ that the sweep starts its own MLflow server), torch backend, eval and checkpoint
 
 The first step is read from MLflow: the trial logs train/loss at step 1 (trainer.display_loss_steps=1)
 with the time it was logged. The sweep's MLflow server, Ray and its workers' warm-up start with the
-command, beside the up-front check (orchestrate.sweeps.prestart); when each was ready comes from
+command, beside the up-front check (orchestrate.sweeps.early); when each was ready comes from
 the sweep's own log lines ("MLflow server ... (waited X s for it)", "Ray ready (waited Y s for it)"), the
 trial's child run (created by the sweep callback in the Ray worker, just before the app starts)
 and, measured in this process, `cli.validate_sweep` (the up-front check of every trial). Prints
@@ -102,7 +102,7 @@ def part_first(steps: int) -> list[tuple[str, float]]:
                                         *COMMON], folder)
         first = first_step(folder, began)
     # The server, Ray (with its workers' warm-up) and the up-front check run side by side
-    # (orchestrate.sweeps.prestart): each line below is when that phase was done, from the command.
+    # (orchestrate.sweeps.early): each line below is when that phase was done, from the command.
     server = seconds_in(lines, r"MLflow server for the sweep on \S+ \(waited ([\d.]+) s for it\)")
     ray = seconds_in(lines, r"Ray ready \(waited ([\d.]+) s for it\)")
     checks = validate_seconds(["1e-3", "3e-3", "1e-2"])  # the same sweep's up-front check, here

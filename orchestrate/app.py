@@ -28,7 +28,7 @@ from orchestrate.sweeps import pruning
 from orchestrate.tracking.handover import finished_run_metrics
 from orchestrate.tracking.params import config_key
 from orchestrate.tracking.run import Run, which_run
-from orchestrate.tracking.stores import open_ui, reachable, unusable_experiment
+from orchestrate.tracking.stores import open_ui, unreachable, unusable_experiment
 
 
 @dataclass
@@ -50,14 +50,14 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
-def backend_head_start(cfg: DictConfig) -> contextlib.AbstractContextManager:
-    """The backend's head start (`Backend.head_start`: the runner's Ray) around the check of a
+def start_early(cfg: DictConfig) -> contextlib.AbstractContextManager:
+    """The backend's early start (`Backend.start_early`: the runner's Ray) around the check of a
     run's config; a config whose backend does not build gets none (the check says why)."""
     try:
         backend = schema.target_of(cfg.backend, "backend")
     except Exception:
         return contextlib.nullcontext()
-    return backend.head_start(cfg)
+    return backend.start_early(cfg)
 
 
 def unavailable(cfg: DictConfig) -> str | None:
@@ -74,7 +74,7 @@ def unavailable(cfg: DictConfig) -> str | None:
 class CheckCache:
     """What the checks of many configs (a sweep's trials) share."""
 
-    stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `reachable`'s answer
+    stores: dict[str, str | None] = field(default_factory=dict)  # tracking URI -> `unreachable`'s answer
     experiments: dict[tuple[str, str], str | None] = field(default_factory=dict)  # `unusable_experiment`'s answers
     models: dict[str, Any] = field(default_factory=dict)  # built and run on their data (Job.prepare's `models`)
     built: dict[Any, Any] = field(default_factory=dict)  # what backends' checks built, by their key (Job.built)
@@ -92,7 +92,7 @@ def check(cfg: DictConfig, cache: CheckCache | None = None) -> Checked:
     cache = cache or CheckCache()
     uri = cfg.tracking.uri
     if uri not in cache.stores:  # first: a store that is not there fails in seconds, not minutes
-        cache.stores[uri] = reachable(uri)
+        cache.stores[uri] = unreachable(uri)
     if cache.stores[uri]:
         raise schema.ConfigError(cache.stores[uri])
     job = Job.prepare(cfg, models=cache.models if shared else None, built=cache.built if shared else None)

@@ -63,7 +63,7 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
             if why:
                 unavailable.setdefault(why, []).append(trial.rstrip(": "))
                 return None
-            with app.backend_head_start(cfg) if own_run else contextlib.nullcontext(), searching(source):
+            with app.start_early(cfg) if own_run else contextlib.nullcontext(), searching(source):
                 checked = app.check(cfg, cache)
     # The run's own command: the run takes the job over instead of building it again.
     return checked if own_run else None
@@ -73,7 +73,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
-    from orchestrate.sweeps import plan, prestart, remote
+    from orchestrate.sweeps import early, plan, remote
 
     hydra_overrides = hydra_words(flags)
     with boundary(Where(CHECK, overrides=[*hydra_overrides, *overrides], source=source)):
@@ -87,7 +87,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
     compose, cache, unavailable = Composer(source, hydra_overrides), app.CheckCache(), {}
-    with prestart.prestart(cfg, len(trials)):
+    with early.start_early(cfg, len(trials)):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                      trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, cache=cache,
@@ -116,7 +116,7 @@ def check_sweeper(cfg) -> None:
         return
     from orchestrate.sweeps import _optuna
 
-    _optuna.check(OmegaConf.select(cfg, "hydra.sweeper.direction"), OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
+    _optuna.check_settings(OmegaConf.select(cfg, "hydra.sweeper.direction"), OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
                   str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
 
 
@@ -268,14 +268,14 @@ def main() -> None:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed
             # trial makes it raise. The summary, the parent run and the server are closed here.
-            from orchestrate.sweeps import prestart
+            from orchestrate.sweeps import early
             from orchestrate.sweeps.callbacks import close_open_sweeps
 
             # A Slurm sweep's launcher stops at the first job that ended without a result: the
             # jobs still on the cluster are waited for (cancelled after Ctrl-C) before the summary.
             slurm.settle(cancel=isinstance(where.handled, KeyboardInterrupt))
             close_open_sweeps()
-            prestart.release()  # a server started early that no sweep took (Hydra stopped first)
+            early.release()  # a server started early that no sweep took (Hydra stopped first)
         # A Ray started early and never taken (Hydra stopped before the launcher or the run asked
         # for it) is shut down here, not torn down mid-start when the process exits.
         from orchestrate.cluster import ray_cluster

@@ -228,7 +228,7 @@ class Job:
         and run on their data, by config, reused instead of built again (the job is not run: a grid
         over the learning rate builds its model once); `built`: what the backends' checks built, shared
         the same way (the on-device artifacts of one model and backend setting, built once)."""
-        schema.check(cfg)  # every setting against its declared range, before anything is built
+        schema.check_settings(cfg)  # every setting against its declared range, before anything is built
         key = model_key(cfg) if models is not None else None
         job = cls.build(cfg, out_dir, parallel=parallel, model=models.get(key) if key is not None else None)
         if built is not None:

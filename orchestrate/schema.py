@@ -214,7 +214,7 @@ def register() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
-def check(cfg: DictConfig) -> None:
+def check_settings(cfg: DictConfig) -> None:
     """Value checks that a type cannot express."""
     # `+key=value` adds a key even where the schema has none (Hydra lifts the struct flag for it):
     # nothing would read it, so a typo such as `+trainer.max_step=5` would be ignored quietly.

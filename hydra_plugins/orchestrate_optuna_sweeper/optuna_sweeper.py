@@ -164,7 +164,7 @@ class OrchestrateOptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config)
         launcher = type(self.launcher)
-        _optuna.check(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}")
+        _optuna.check_settings(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}")
 
     def sweep(self, arguments: list[str]) -> None:
         from orchestrate.sweeps import _optuna

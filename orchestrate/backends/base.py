@@ -70,7 +70,7 @@ class Backend(ABC):
                               f"checkpoints to continue; allowed with backend={', '.join(backends('resumable'))}")
 
     @classmethod
-    def head_start(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
+    def start_early(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
         """Begin, while the command checks the config (`cfg`: the run's whole config), what
         `connect` will wait for (the runner: a local Ray instance); stopped again if the body
         raises (the config was refused). Nothing by default."""

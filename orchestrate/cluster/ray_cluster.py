@@ -331,7 +331,7 @@ def _initialized() -> bool:
     return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
-def reachable(address: str, key: str, timeout_s: float = 5.0, shown: str | None = None) -> None:
+def check_listening(address: str, key: str, timeout_s: float = 5.0, shown: str | None = None) -> None:
     """Raise RayUnavailable within `timeout_s` if nothing listens at `address`'s host:port (Ray's
     own connect retries an unreachable address for minutes); its line begins with `shown`, else
     `key=address`. `auto` and addresses without a port are left to Ray."""
@@ -348,7 +348,7 @@ def reachable(address: str, key: str, timeout_s: float = 5.0, shown: str | None 
 
 def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     """Refuse, within about `timeout_s` and before anything opens, a cluster this process cannot
-    join: nothing listening (`reachable`), a token the cluster refuses (or none where it wants
+    join: nothing listening (`check_listening`), a token the cluster refuses (or none where it wants
     one), a head of another Ray or Python version. Ray's own `ray.init` finds the last two only
     after its retries (18 s of C++ `InvalidAuthToken` lines on the console for a wrong token).
     One read of the cluster's metadata from its GCS, with this process's token: what `ray.init`
@@ -362,10 +362,10 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
             raise RayUnavailable(f"{key}=auto: no Ray runs on this machine to join (none started with `ray start` or "
                                  "`orchestrate up`, and RAY_ADDRESS is unset); allowed: null (a new local Ray), or the "
                                  "address of a running cluster")
-        reachable(found, key, timeout_s, shown=f"{key}=auto (the cluster at {found})")
+        check_listening(found, key, timeout_s, shown=f"{key}=auto (the cluster at {found})")
         hostport = found
     else:
-        reachable(address, key, timeout_s)
+        check_listening(address, key, timeout_s)
         hostport = address.split("://")[-1].rstrip("/")
     if "://" in address or not hostport.rpartition(":")[2].isdigit():
         return

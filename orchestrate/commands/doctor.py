@@ -261,9 +261,9 @@ def check_extensions(scratch: Path) -> tuple[bool, str]:
 
 def check_tracking(uri: str, source: str, timeout_s: float) -> tuple[bool, str]:
     from orchestrate.redact import redact_text
-    from orchestrate.tracking.stores import reachable
+    from orchestrate.tracking.stores import unreachable
 
-    problem = reachable(uri, timeout_s)  # None, or a sentence that names the URI and the cause
+    problem = unreachable(uri, timeout_s)  # None, or a sentence that names the URI and the cause
     if problem is None:
         return True, f"tracking {redact_text(uri)} ({source}) answers"
     return False, (f"tracking ({source}): {problem} -> start the server (orchestrate server), or point "
@@ -295,7 +295,7 @@ def check_ray(address: str | None, key: str, timeout_s: float) -> tuple[bool, st
 
     fix = f"-> start the cluster (ray start --head --node-ip-address=...), or correct or unset {key}"
     try:  # nothing listening: known within seconds, without Ray's own retries
-        ray_cluster.reachable(address, key, timeout_s=min(timeout_s, 5))
+        ray_cluster.check_listening(address, key, timeout_s=min(timeout_s, 5))
     except ray_cluster.RayUnavailable as e:
         return False, f"ray {address}: {str(e).split('; allowed')[0]} {fix}"
     try:

@@ -104,7 +104,7 @@ def _write_end_marker(marker: Optional[str]) -> None:
 
 
 @dataclass
-class Job:
+class SweepJob:
     """One job of the sweep: its index (hydra.job.num), its overrides and, once composed, its config."""
 
     idx: int
@@ -136,9 +136,9 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     conf = launcher.conf
     # Each job's config is composed just before it is submitted (`run`), not all of them before
     # the first starts: Hydra composes a config in about 0.1 s, minutes for a grid of thousands.
-    jobs = [Job(initial_job_idx + i, list(overrides)) for i, overrides in enumerate(job_overrides)]
+    jobs = [SweepJob(initial_job_idx + i, list(overrides)) for i, overrides in enumerate(job_overrides)]
     if conf.dry_run:
-        check(conf)
+        check_launcher(conf)
         print_plan(jobs, conf, resources_of(conf))
         return [JobReturn(overrides=j.overrides, status=JobStatus.COMPLETED) for j in jobs]
     ready(launcher)
@@ -167,7 +167,7 @@ def ready(launcher) -> None:
             return
         cfg, conf = launcher.config, launcher.conf
         configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
-        check(conf)
+        check_launcher(conf)
         Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         before_ray_import()
         if conf.address and conf.num_cpus is not None:
@@ -194,7 +194,7 @@ def before_ray_import() -> None:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-def check(conf) -> None:
+def check_launcher(conf) -> None:
     """Refuse settings Ray would reject deep inside, or wait forever on."""
     for key in ("cpus_per_trial", "gpus_per_trial", "num_cpus"):
         value = getattr(conf, key)
@@ -204,7 +204,7 @@ def check(conf) -> None:
         raise ValueError(f"hydra.launcher.placement_timeout_s={conf.placement_timeout_s}: must be above 0")
 
 
-def run(jobs: list[Job], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
+def run(jobs: list[SweepJob], launcher, barrier: "OutputBarrier") -> list[JobReturn]:
     """Submit every job, then take the results as they come; with fail_fast, cancel the rest and
     raise at the first failure."""
     import ray
@@ -322,7 +322,7 @@ def _remote_run_job():
     return ray.remote(_run_job)
 
 
-def collect(ref, job: Job) -> tuple[JobReturn, bool, bool]:
+def collect(ref, job: SweepJob) -> tuple[JobReturn, bool, bool]:
     """The job's JobReturn, or a FAILED one when Ray itself failed (the worker died, the result
     could not be serialized); whether the worker got to mark the end of the job's output; and
     whether the job's process died under it (its worker or its node lost, not a cancel)."""
@@ -350,7 +350,7 @@ def where(conf) -> str:
     return place
 
 
-def print_plan(jobs: list[Job], conf, resources: dict) -> None:
+def print_plan(jobs: list[SweepJob], conf, resources: dict) -> None:
     print(f"plan: {len(jobs)} trial(s) on Ray ({where(conf)}), each asking for {resources or 'no resources'}"
           f"{', fail fast' if conf.fail_fast else ''}; dry run: nothing is run")
     for job in jobs:

@@ -219,7 +219,7 @@ def direction_of(value: Any) -> str:
     return str(getattr(value, "value", value)).lower()
 
 
-def check(direction, n_jobs: int | None, launcher: str) -> None:
+def check_settings(direction, n_jobs: int | None, launcher: str) -> None:
     """The sweeper's own settings (`launcher`: the launcher's class path), refused in one line:
     by the command line's up-front check (orchestrate.cli.check_sweeper), before the
     sweep's MLflow run opens, and by the sweeper's setup for any other Hydra app."""

@@ -118,11 +118,11 @@ class Sweep:
                                  "trials on the cluster's nodes, which cannot reach this machine's SQLite store "
                                  "or the sweep's server on 127.0.0.1; set tracking.uri=http://HOST:PORT "
                                  "(an MLflow server the nodes can reach)")
-            from orchestrate.sweeps import prestart
+            from orchestrate.sweeps import early
 
             began = time.perf_counter()
             self.host = remote.server_host(config)  # 127.0.0.1, or toward a cluster whose hosts run the trials
-            self.server = prestart.take_server(uri)  # started by the command line, while it checked the trials
+            self.server = early.take_server(uri)  # started by the command line, while it checked the trials
             if self.server is None and self.host == "127.0.0.1" and (warm := _server.warm_server(uri)) is not None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running

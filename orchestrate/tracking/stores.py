@@ -1,4 +1,4 @@
-"""MLflow stores: is a tracking URI one a run can log to (`reachable`, asked before anything
+"""MLflow stores: is a tracking URI one a run can log to (`unreachable`, asked before anything
 runs), a new SQLite store made fast (`new_sqlite_store`), the URI as another process must see it
 (`absolute_uri`), the experiment a run goes into (`training_experiment`), and how a user opens
 the UI on it (`open_ui`)."""
@@ -136,7 +136,7 @@ def new_sqlite_store(uri: str) -> None:
 DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
-def reachable(uri: str, timeout_s: float = 5.0) -> str | None:
+def unreachable(uri: str, timeout_s: float = 5.0) -> str | None:
     """None when a run could log to the tracking URI `uri`; else one sentence with the URI and the
     cause. Asks only what answers within `timeout_s`: an HTTP server's /health, a database's
     login (PostgreSQL) or port, a SQLite file's folder. Other stores (databricks, ...) pass."""

@@ -80,7 +80,7 @@ def test_a_bad_trial_stops_the_sweep_before_anything_runs(args, message, tmp_pat
     assert re.fullmatch(message, done.stderr.strip())
     assert time.monotonic() - began < 30
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no multirun/ folder
-    # The server and Ray it started beside the check (orchestrate.sweeps.prestart) are gone: Ray's
+    # The server and Ray it started beside the check (orchestrate.sweeps.early) are gone: Ray's
     # processes end with the thread that started them, those its raylet started in their own time.
     pattern = f"{ray_tmp}|mlflow server.*{tmp_path}"
     deadline = time.monotonic() + 60

@@ -11,10 +11,10 @@ from orchestrate.tracking.stores import (
     EXPERIMENT_KIND,
     new_sqlite_store,
     open_ui,
-    reachable,
     runs_pages,
     training_experiment,
     ui_command,
+    unreachable,
 )
 from tests.conftest import client_for
 
@@ -59,7 +59,7 @@ def test_an_unreachable_tracking_uri_stops_the_command_in_seconds(tmp_path):
 
     uri = f"http://127.0.0.1:{free_port()}"
     began = time.monotonic()
-    assert uri in reachable(uri) and time.monotonic() - began < 10  # the check itself: well within 10 s
+    assert uri in unreachable(uri) and time.monotonic() - began < 10  # the check itself: well within 10 s
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "orchestrate", f"tracking.uri={uri}", "data=synthetic", "trainer=quick"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -206,7 +206,7 @@ class RunnerBackend(Backend):
             engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
-        storage.check(self.storage_path)  # a scheme it does not take: refused before Ray starts
+        storage.check_scheme(self.storage_path)  # a scheme it does not take: refused before Ray starts
         if self.placement_strategy not in STRATEGIES:
             raise ConfigError(f"backend.placement_strategy={self.placement_strategy!r}: allowed: {', '.join(STRATEGIES)}")
         if t.resume and not engine.resumable:
@@ -250,7 +250,7 @@ class RunnerBackend(Backend):
 
     @classmethod
     @contextlib.contextmanager
-    def head_start(cls, cfg: DictConfig) -> Iterator[None]:
+    def start_early(cls, cfg: DictConfig) -> Iterator[None]:
         """A new local Ray (no `ray_address`, no RAY_ADDRESS) starts on a thread of its own while
         the command checks the config: `connect` then waits for it instead of starting one (about
         4 s of start-up overlapped). A refused config shuts it down. None for a run in the driver."""

@@ -44,7 +44,7 @@ class Storage:
         return f"{KEY}={self.given}" if self.given else f"{KEY} (unset: the run's output folder {self.path})"
 
 
-def check(storage_path: str | None) -> None:
+def check_scheme(storage_path: str | None) -> None:
     """ConfigError for a `backend.storage_path` whose scheme this does not take."""
     if storage_path and "://" in storage_path and not storage_path.startswith("s3://"):
         scheme = storage_path.split("://")[0]
@@ -54,7 +54,7 @@ def check(storage_path: str | None) -> None:
 
 def resolve(storage_path: str | None, out_dir: Path) -> Storage:
     """The storage `backend.storage_path` names, for a run whose output folder is `out_dir`."""
-    check(storage_path)
+    check_scheme(storage_path)
     if not storage_path:
         return Storage(str((out_dir / "ray").resolve()))
     if storage_path.startswith("s3://"):

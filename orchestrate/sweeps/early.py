@@ -3,7 +3,7 @@
 Before a trial's first step, a sweep needs its MLflow server (a process that takes seconds to
 answer), a local Ray instance (seconds again) and a Ray worker that has imported the app (torch,
 MLflow, Hydra: seconds more). None of them needs the others, nor the up-front check of every
-trial, so `prestart` begins them at once: the server's process, and Ray on a thread of its own
+trial, so `start_early` begins them at once: the server's process, and Ray on a thread of its own
 that then hands every slot a warm-up task importing the app and building the sweep's data set
 (Ray hands the same worker processes the trials that follow, and `job.build_data` keeps the data
 set for them); the launcher's `ray_cluster.init` returns once they are done.
@@ -32,7 +32,7 @@ _SERVERS: dict = {}
 
 
 @contextlib.contextmanager
-def prestart(cfg: DictConfig, trials: int) -> Iterator[None]:
+def start_early(cfg: DictConfig, trials: int) -> Iterator[None]:
     """Start what the sweep `cfg` (its multirun config, `hydra` node included) of `trials` trials
     will need, while the body runs (the up-front check); if the body raises, stop it all."""
     launcher = cfg.hydra.launcher
