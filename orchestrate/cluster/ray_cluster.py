@@ -193,6 +193,37 @@ RAY_NOISE = (
 )
 
 
+# What Ray's own code prints on the driver's console that says itself it is harmless, with the
+# traceback it logs beside it: Ray Train's autoscaling client under load ("Failed to send resource
+# request ... it's safe to ignore this error"), the placement-group cleaner's query of a State API
+# that finds several Ray instances on the machine. A batch of output that holds one goes to the log
+# file (this module's logger: the run's log), not the console (`harmless_output_to_log`).
+HARMLESS = ("it's safe to ignore this error", "Found multiple active Ray instances")
+
+
+def split_harmless(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(the lines to print, the lines kept off the console): a batch of one process's output that
+    names itself harmless (HARMLESS) goes whole, its traceback with it."""
+    return ([], lines) if any(marker in line for line in lines for marker in HARMLESS) else (lines, [])
+
+
+@contextlib.contextmanager
+def harmless_output_to_log() -> Iterator[None]:
+    """While the block runs, the worker output Ray prints on this driver leaves out what
+    `split_harmless` takes, which goes to this module's log instead; nothing else changes."""
+    from orchestrate.thirdparty import tap_ray_worker_output
+
+    def keep(lines: list[str]) -> None:
+        log.info("Ray's output, harmless in its own words (kept off the console):\n%s", "\n".join(lines))
+
+    release = tap_ray_worker_output(split_harmless, keep)
+    try:
+        yield
+    finally:
+        if release is not None:
+            release()
+
+
 def _quiet_import() -> None:
     """Import ray with RAY_NOISE left out of the worker output its driver prints: Ray's log
     deduplicator skips lines that match RAY_DEDUP_LOGS_SKIP_REGEX (Ray's "Configuring Logging"

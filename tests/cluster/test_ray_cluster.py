@@ -98,3 +98,39 @@ def test_auto_is_checked_as_the_address_it_names(monkeypatch):
     assert str(refused.value).startswith(f"backend.ray_address=auto (the cluster at 127.0.0.1:{port}): nothing "
                                          f"answers at 127.0.0.1:{port}")
     assert time.monotonic() - began < 5
+
+
+def test_ray_output_that_calls_itself_harmless_goes_to_the_log_not_the_console(ray_shared, capfd, caplog):
+    """A Ray process's warning that says it is safe to ignore, with its traceback (Ray Train's
+    autoscaling client under load), is kept off the driver's console and in its log; the lines
+    around it are printed as before."""
+    import logging
+    import time
+
+    from orchestrate.cluster import ray_cluster
+
+    ray = ray_shared
+
+    @ray.remote
+    def say(text: str) -> None:
+        import sys
+
+        print(text, file=sys.stderr, flush=True)
+
+    harmless = ("Failed to send resource request for ctrl. If this only happens transiently during network partition "
+                "or CPU being overloaded, it's safe to ignore this error. If this error persists, file a GitHub issue.\n"
+                "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.")
+    with caplog.at_level(logging.INFO, logger="orchestrate.cluster.ray_cluster"), \
+            ray_cluster.harmless_output_to_log():
+        ray.get(say.remote(harmless))
+        ray.get(say.remote("a line of the user's own, printed"))
+        printed, until = "", time.monotonic() + 60
+        while "a line of the user's own, printed" not in printed and time.monotonic() < until:
+            time.sleep(0.2)
+            out, err = capfd.readouterr()
+            printed += out + err
+    assert "a line of the user's own, printed" in printed
+    assert "safe to ignore" not in printed and "GetTimeoutError" not in printed, printed
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "it's safe to ignore this error" in logged and "GetTimeoutError" in logged

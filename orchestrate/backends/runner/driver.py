@@ -351,7 +351,7 @@ class RunnerBackend(Backend):
         controllers: list = []
         try:
             with train_environment(self.placement_timeout_s if job.trainer.elastic else None), \
-                    quiet_local_mode(in_driver):
+                    quiet_local_mode(in_driver), ray_cluster.harmless_output_to_log():
                 trainer = self.trainer(job, worker_loop, {"task": task}, in_driver, run_id)
                 ray_train_signals_to(trainer, controllers.append)  # handed the controller actor
                 result = trainer.fit()
