@@ -114,3 +114,16 @@ def test_nothing_edits_the_import_path():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if ("sys.path." + "insert") in line or ("sys.path." + "append") in line]
     assert not edits, f"sys.path edited at {', '.join(edits)}"
+
+
+def test_the_commands_that_do_not_train_import_no_torch():
+    """`orchestrate server|sync|up|down|slurm-ray` start in a fraction of torch's import: their
+    modules (and the boundary they run under) import neither torch nor MLflow nor Ray at import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import orchestrate.commands.server, orchestrate.commands.sync, orchestrate.commands.up, "
+            "orchestrate.commands.slurm_ray; print(sorted(m for m in ('torch', 'mlflow', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
