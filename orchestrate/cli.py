@@ -116,8 +116,9 @@ def check_sweeper(cfg) -> None:
         return
     from orchestrate.sweeps import _optuna
 
-    _optuna.check_settings(OmegaConf.select(cfg, "hydra.sweeper.direction"), OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
-                  str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
+    _optuna.check_settings(OmegaConf.select(cfg, "hydra.sweeper.direction"),
+                           OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
+                           str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
 
 
 def is_hydra(word: str) -> bool:
