@@ -62,7 +62,7 @@ def shown_path(path: str) -> str:
 def one_line(error: BaseException, what: str = "") -> str:
     """`what: ExceptionType: first line of its message (file:line) at step N`, the parts known;
     the config key the error itself names (`mark(what=...)`) before the caller's `what`."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = _message_line(error)
     what = getattr(error, "orchestrate_what", "") or what
     parts = [f"{what}: " if what else "", type(error).__name__, f": {text}" if text else ""]
     where = origin(error)
@@ -77,8 +77,15 @@ def one_line(error: BaseException, what: str = "") -> str:
 def first_line(error: BaseException, typed: bool = False) -> str:
     """The first non-empty line of the error's message (its type's name when it has none);
     `typed`: `Type: line`."""
-    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {text}".rstrip(": ") if typed else text or type(error).__name__
+    text = _message_line(error)
+    if typed:
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text or type(error).__name__
+
+
+def _message_line(error: BaseException) -> str:
+    """The first non-empty line of the error's message, or "" for none."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
 
 
 def mark(error: BaseException, **facts) -> None:

@@ -414,10 +414,10 @@ class Checked:
     refused: str | None = None  # the ConfigError's line (then no job)
 
     @classmethod
-    def of(cls, cfg: DictConfig, prepare: Callable[[], Job], run: Callable[[], Any] = lambda: None) -> "Checked":
-        """`prepare()`'s job and `run()`'s answer for `cfg`, or the refusal either raised."""
+    def of(cls, cfg: DictConfig, prepare: Callable[[], Job]) -> "Checked":
+        """`prepare()`'s job for `cfg` (untracked: a probe's), or the refusal it raised."""
         try:
-            return cls(OmegaConf.to_yaml(cfg), prepare(), run())
+            return cls(OmegaConf.to_yaml(cfg), prepare())
         except schema.ConfigError as e:
             return cls(OmegaConf.to_yaml(cfg), refused=str(e))
 

@@ -74,6 +74,21 @@ class Items(Dataset):
             shown = self.dataset.indices[index] if isinstance(self.dataset, torch.utils.data.Subset) else index
             raise ItemError(f"{self.name}[{shown}]: {first_line(e, typed=True)}") from e
 
+    def __getitems__(self, indices: list[int]) -> list:
+        """A batch, through the Dataset's own batched read where it has one (`__getitems__`, which
+        torch's loader prefers to item by item); a batched read that fails names its items."""
+        base, at = self.dataset, list(indices)
+        if isinstance(base, torch.utils.data.Subset):
+            base, at = base.dataset, [base.indices[i] for i in at]
+        fetch = getattr(base, "__getitems__", None)
+        if fetch is None:
+            return [self[i] for i in indices]
+        try:
+            return fetch(at)
+        except Exception as e:  # noqa: BLE001 - whatever __getitems__ raised is the reason
+            shown = ", ".join(map(str, at[:8])) + (f", ... ({len(at)} items)" if len(at) > 8 else "")
+            raise ItemError(f"{self.name}[{shown}] (read together): {first_line(e, typed=True)}") from e
+
 
 class MapData:
     """A map-style Dataset of (input, target) items, served by position (see the module)."""

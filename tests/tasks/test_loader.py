@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from orchestrate import app, schema
 from orchestrate.job import Job
 from orchestrate.tasks.data import TensorData
-from orchestrate.tasks.loader import MapData
+from orchestrate.tasks.loader import ItemError, MapData
 from orchestrate.tasks.shards import ShardWindows, write_shards
 from tests.conftest import BACKENDS, ROOT, client_for, metric_steps
 from tests.helpers import exit_code
@@ -140,6 +140,29 @@ def test_an_item_that_fails_mid_run_is_named_with_its_class_index_and_error(work
     assert re.match(r"error: ItemError: FailsAt\[57\]: OSError: \[Errno 5\] Input/output error: "
                     r"'/data/items/57\.npy'( \(.*test_loader\.py:\d+\))? at step \d+; ", line), line
     assert "the MLflow run" in line and "marked FAILED" in line, line
+
+
+class BatchedPairs(Pairs):
+    """Pairs with a batched read of its own (`__getitems__`), counted; a batch holding 57 fails."""
+
+    def __init__(self, n: int = 100, **kwargs):
+        super().__init__(n)
+        self.batches = 0
+
+    def __getitems__(self, indices):
+        self.batches += 1
+        if 57 in indices:
+            raise OSError("[Errno 5] Input/output error: 'shard_3.bin'")
+        return [self[i] for i in indices]
+
+
+def test_a_datasets_own_batched_read_is_the_one_the_loader_uses():
+    dataset = BatchedPairs()
+    data = MapData(dataset, eval_fraction=0.2, num_workers=0)
+    assert data.train_batch(0, 8, seed=0)[0].shape == (8, 4) and dataset.batches == 1
+    with pytest.raises(ItemError, match=r"BatchedPairs\[.*\] \(read together\): OSError: \[Errno 5\]"):
+        for position in range(20):  # an epoch of 80 items reaches the batch that holds 57
+            data.train_batch(position, 8, seed=0)
 
 
 class Float64Pairs(Pairs):
