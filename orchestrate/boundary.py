@@ -101,6 +101,11 @@ def failed_run(e: BaseException, where: Where) -> str:
     return errors.one_line(e) + (f"; the MLflow run {run} is marked FAILED" if run else "")
 
 
+def stopped_by(e: BaseException) -> str:
+    """`SIGTERM` for a signals.Stopped, `Ctrl-C` for a plain KeyboardInterrupt."""
+    return str(e) if isinstance(e, signals.Stopped) else "Ctrl-C"
+
+
 def failed_command(e: BaseException, where: Where) -> str:
     return errors.one_line(e, "the sweep" if where.multirun else "")
 
@@ -134,6 +139,10 @@ TABLE: tuple[Row, ...] = (
                       "sweep"), exit_code(130), applies=lambda e, w: w.multirun, said="stopped by "),
     Row((Exception,), (COMMAND,), failed_command,
         lambda e, w: 1 if w.multirun or getattr(e, "orchestrate_run", None) else 2, traceback=True),
+    # A command besides a run stopped by Ctrl-C (or by a signal its block takes: signals.Stopped):
+    # one line, the exit code a shell gives a process ended by the signal.
+    Row((KeyboardInterrupt,), (TOOL,), lambda e, w: f"{w.prefix}stopped by {stopped_by(e)}",
+        lambda e, w: 128 + getattr(e, "signum", 2), said=""),
     # A command besides a run, failed in a way it did not foresee: one line, the traceback kept.
     Row((Exception,), (TOOL,), lambda e, w: f"{w.prefix}{errors.one_line(e)}", exit_code(1), traceback=True),
 )

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from orchestrate import signals
-from orchestrate.boundary import CHECK, COMMAND, RUN, TABLE, Where, boundary
+from orchestrate.boundary import CHECK, COMMAND, RUN, TABLE, TOOL, Where, boundary
 from orchestrate.errors import mark
 from orchestrate.schema import ConfigError
 
@@ -27,6 +27,12 @@ def test_a_refusal_is_its_own_line_exit_2_with_the_trial_it_came_from(capsys):
 def test_a_run_stopped_by_a_signal_exits_as_a_shell_reports_it(capsys):
     code, said = exits(Where(RUN), signals.Stopped(15), capsys)
     assert code == 128 + 15 and said.startswith("stopped by SIGTERM: the MLflow run is marked KILLED")
+
+
+def test_a_command_stopped_by_ctrl_c_or_a_signal_says_so_in_one_line(capsys):
+    assert exits(Where(TOOL), KeyboardInterrupt(), capsys) == (130, "stopped by Ctrl-C")
+    assert exits(Where(TOOL, prefix="orchestrate slurm-ray: "), signals.Stopped(15), capsys) == \
+        (143, "orchestrate slurm-ray: stopped by SIGTERM")
 
 
 def test_a_failed_run_names_its_mlflow_run_and_keeps_the_traceback(tmp_path, capsys):

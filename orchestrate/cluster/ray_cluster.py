@@ -11,9 +11,12 @@ Two Ray behaviours shape `init` (Ray 2.60, measured here):
 all, the warm head `orchestrate up` left running (orchestrate.cluster.warm) is joined before a new local
 instance is started: the same command, warm.
 
-Two things Ray prints say nothing to act on, and stay off the console: lines its own processes
-print that `RAY_NOISE` names (they stay in those processes' log files, in the session's
-/tmp/ray/session_*/logs), and the warning that a new local instance turned token authentication
+Three things Ray prints say nothing to act on, and stay off the console: lines its own processes
+print that `RAY_NOISE` names (one line each, skipped by Ray's log deduplicator; they stay in those
+processes' log files, in the session's /tmp/ray/session_*/logs); output that calls itself harmless
+(`HARMLESS`: a warning and the traceback logged with it, a whole batch of one process's lines,
+which a per-line skip cannot take: to this driver's log while the runner trains,
+`harmless_output_to_log`); and the warning that a new local instance turned token authentication
 on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chosen silently).
 
 This module imports, and only when called, nothing of orchestrate but what imports nothing itself:

@@ -1,10 +1,6 @@
-"""`orchestrate up` / `orchestrate down`: the warm local stack, Ray's and MLflow's own answer to
-start-up costs (start a cluster once, run one server), made the fast path on one machine.
-
-    orchestrate up                  # a Ray head and the MLflow server in front of ./mlflow.db, left running
-    orchestrate up --num-cpus 8     # the head's logical CPUs (default: this machine's)
-    orchestrate up --status         # what is up, in one line (exit 1 when nothing is)
-    orchestrate down                # stop both
+"""The warm local stack (`orchestrate up` / `down`: orchestrate.commands.up): Ray's and MLflow's
+own answer to start-up costs (start a cluster once, run one server), made the fast path on one
+machine: its record, whether it still answers, its head and server started and stopped.
 
 Without it every sweep starts an MLflow server and a local Ray, and every runner command a local
 Ray, then stops them again: seconds of start-up per command. With it the same commands, typed the
@@ -24,8 +20,8 @@ the head keeps its files in a temp folder of its own, so a user's own `ray start
 and the address file there) and this head never meet, and `orchestrate down` stops this head's
 processes only (`ray stop` would stop every Ray on the machine).
 
-This module imports nothing else of orchestrate at import time but `ports` and `errors`: `ray_cluster` (which
-the Hydra launcher plugin uses alone) asks it for the head.
+This module imports nothing else of orchestrate but `ports` and `errors`: `ray_cluster` (which the
+Hydra launcher plugin uses alone) asks it for the head.
 """
 
 import contextlib
