@@ -20,6 +20,13 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         module, _, function = COMMANDS[sys.argv[1]].partition(":")
         raise SystemExit(getattr(importlib.import_module(module), function or "main")(sys.argv[2:]))
+    # On the warm stack the command runs as a fork of the warm pool, which imported torch, MLflow and
+    # orchestrate at `orchestrate up` (orchestrate.cluster.pool); this process only stands in for it.
+    from orchestrate.cluster import warm
+
+    code = warm.hand_over(sys.argv[1:])
+    if code is not None:
+        raise SystemExit(code)
     from orchestrate import cli
 
     cli.main()

@@ -105,6 +105,8 @@ INTERNALS = _listed({
     "option_strings": ("argparse:_ActionsContainer._actions*",),
     # logging keeps whether it captures warnings in a module global (captures_warnings)
     "captures_warnings": ("logging:_warnings_showwarning",),
+    # what the interpreter does at exit before it frees its modules (exit_work: a fork of the warm pool)
+    "exit_work": ("threading:_shutdown", "atexit:_run_exitfuncs"),
     # MLflow's own checks of names, run only once it is handed them (mlflow_name_checks)
     "mlflow_name_checks": ("mlflow.utils.validation:_validate_tag_name",
                            "mlflow.utils.validation:_validate_model_name"),
@@ -421,6 +423,18 @@ def option_strings(parser) -> list[str]:
 
 
 # ---- the standard library ------------------------------------------------------------------------
+
+def exit_work() -> None:
+    """What Python does at exit before it tears its modules down: wait for the threads that are
+    not daemons, then run the atexit functions (MLflow's and Ray's shutdowns, logging's flush,
+    weakref finalizers). A fork of the warm pool does this, then leaves with os._exit: freeing
+    thousands of modules it never owned would cost about a second and change nothing."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+
 
 def captures_warnings() -> bool:
     """Whether `logging.captureWarnings(True)` is in force (logging keeps warnings' own

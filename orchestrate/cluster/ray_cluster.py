@@ -131,7 +131,8 @@ def _start(address: str | None, key: str, **local_options) -> bool:
             global _LOCAL_SESSION
             _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
         else:
-            ray.init(address=address, runtime_env=runtime_env(address, local), **options)
+            python = warm_stack.worker_python() if warm is not None else None  # workers: forks of the warm pool
+            ray.init(address=address, runtime_env=runtime_env(address, local, python), **options)
             _WARM = warm
     except ConnectionError as e:
         raise RayUnavailable(f"{key}={address}: {str(e).splitlines()[0]}; allowed: null (a new local Ray), "
@@ -160,8 +161,10 @@ NOT_SHIPPED = (".venv", "venv", ".git", "__pycache__", "outputs", "multirun", "m
                "*.db", "*.db-journal", ".mlflow_outbox*", "mlflow_unsent.jsonl", "lightning_logs")
 
 
-def runtime_env(address: str, local: bool) -> dict | None:
+def runtime_env(address: str, local: bool, python: str | None = None) -> dict | None:
     """The job's runtime environment.
+    - On the warm head with its pool: `python` (Ray's py_executable), the pool's client, so that
+      every worker of the job is a fork of the warm pool (orchestrate.cluster.pool).
     - Wherever it is (but a Ray Client address or `auto`): RAY_ADDRESS set in its workers to the
       cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
       State API about the run's controller with no address; with two Ray instances on the machine
@@ -174,6 +177,8 @@ def runtime_env(address: str, local: bool) -> dict | None:
       job submit --working-dir` sends it, without NOT_SHIPPED; not inside a Ray job that was
       submitted with a working folder of its own (the job's is the one)."""
     own = {} if "://" in address or address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
+    if python:
+        own["py_executable"] = python
     if local:
         return own or None
     submitted = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {}

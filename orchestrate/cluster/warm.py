@@ -81,6 +81,9 @@ class Stack:
     server_uri: str  # http://127.0.0.1:PORT
     server_pid: int
     artifacts: str
+    pool_socket: str = ""  # the warm pool's Unix socket (orchestrate.cluster.pool); "" without one
+    pool_pid: int = 0  # its supervisor, which leads the pool's process group
+    pool_workers: int = 0  # commands at once
 
     def ray_answers(self) -> bool:
         return _answers(self.ray_address) and _alive(self.ray_pid)
@@ -88,9 +91,18 @@ class Stack:
     def server_answers(self) -> bool:
         return _answers(self.server_uri.removeprefix("http://")) and _alive(self.server_pid)
 
+    def pool_answers(self) -> bool:
+        from orchestrate.cluster import pool
+
+        sock = pool.connect(self.pool_socket) if self.pool_socket else None
+        if sock is not None:
+            sock.close()
+        return sock is not None
+
     def describe(self) -> str:
-        return (f"Ray {self.ray_version} at {self.ray_address} ({self.num_cpus} CPUs, token auth) and the MLflow "
-                f"server {self.server_uri} in front of {self.store}")
+        workers = f", {self.pool_workers} warm worker(s)" if self.pool_socket else ""
+        return (f"Ray {self.ray_version} at {self.ray_address} ({self.num_cpus} CPUs, token auth{workers}) and the "
+                f"MLflow server {self.server_uri} in front of {self.store}")
 
 
 def _answers(hostport: str) -> bool:
@@ -108,7 +120,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _read() -> Stack | None:
+def recorded() -> Stack | None:
+    """The stack's record as `up` wrote it, whether or not it still answers."""
     try:
         return Stack(**json.loads(record_path().read_text()))
     except (OSError, ValueError, TypeError):
@@ -123,7 +136,7 @@ _SAID: set[str] = set()
 def found() -> Stack | None:
     """The stack `orchestrate up` left running, if its head answers; a record whose head is gone
     is reported once (one warning line) and ignored."""
-    stack = _read()
+    stack = recorded()
     if stack is None:
         return None
     if stack.ray_answers():
@@ -144,7 +157,7 @@ def ray_address() -> str | None:
 
 def server_for(store_uri: str) -> Stack | None:
     """The warm stack, if its MLflow server fronts `store_uri` (an absolute sqlite:/// URI) and answers."""
-    stack = _read()
+    stack = recorded()
     if stack is None or stack.store != store_uri:
         return None
     if stack.server_answers():
@@ -157,21 +170,58 @@ def server_for(store_uri: str) -> Stack | None:
 def start_line(ray: str | None, server: bool | None) -> str:
     """The summary's line on how a command started: `ray` as orchestrate.cluster.ray_cluster.how() says
     (warm, cold, cluster; None: no Ray), `server` whether the sweep's MLflow server was the warm
-    stack's (None: no server of its own)."""
+    stack's (None: no server of its own); in a fork of the warm pool, that too."""
+    from orchestrate.cluster import pool
+
     warm = [what for what, yes in (("the Ray head", ray == "warm"), ("the MLflow server", server is True)) if yes]
     cold = [what for what, yes in (("a local Ray", ray == "cold"), ("an MLflow server", server is False)) if yes]
     if ray == "cluster":
         warm.append("the Ray cluster it was given")
+    forked = pool.forked()
     if not warm and not cold:
-        return "one process: no Ray and no server to keep warm"
+        return ("warm: in a fork of the warm pool that `orchestrate up` keeps (its imports done); no Ray and no "
+                "server") if forked else "one process: no Ray and no server to keep warm"
     said = []
     if warm:
         said.append(f"warm: joined {' and '.join(warm)}" + (" that `orchestrate up` keeps running"
-                                                             if ray == "warm" or server else ""))
+                                                             if ray == "warm" or server else "") +
+                    (", in a fork of the warm pool (imports done)" if forked else ""))
+    elif forked:
+        said.append("warm: in a fork of the warm pool that `orchestrate up` keeps (imports done)")
     if cold:
         said.append(f"cold: started {' and '.join(cold)} for this command, stopped at its end "
                     "(`orchestrate up` keeps them running between commands)")
     return "; ".join(said)
+
+
+def worker_python() -> str | None:
+    """Ray's `py_executable` for a job on the warm head: its workers become forks of the warm pool
+    (orchestrate.cluster.pool); None when the stack has no pool that answers."""
+    from orchestrate.cluster import pool
+
+    stack = recorded()
+    return pool.worker_python(stack.pool_socket) if stack is not None and stack.pool_answers() else None
+
+
+def hand_over(argv: list[str]) -> int | None:
+    """`python -m orchestrate ARGS` on the warm stack: the command runs as a fork of the warm pool,
+    this process standing in for it; its exit code, or None to run here (no pool, ORCHESTRATE_WARM=0,
+    already a fork, or the pool cannot take it: a line says why)."""
+    from orchestrate.cluster import pool
+
+    if os.environ.get("ORCHESTRATE_WARM") == "0" or pool.forked():
+        return None
+    stack = recorded()
+    if stack is None or not stack.pool_socket:
+        return None
+    if not stack.pool_answers():
+        why = ("is starting again (its process ended)" if _alive(stack.pool_pid) else
+               "is gone (`orchestrate down` then `orchestrate up` starts it again)")
+        print(f"the warm pool of {record_path()} {why}: this command runs in its own process", file=sys.stderr,
+              flush=True)
+        return None
+    return pool.hand_over(pool.Handed("command", ["-m", "orchestrate"], argv, wait_s=pool.wait_s_of(argv)),
+                          stack.pool_socket)
 
 
 # ---- up and down ---------------------------------------------------------------------------------
@@ -221,8 +271,34 @@ def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str
     return proc, address, temp_dir
 
 
-def up(num_cpus: int | None, store: str) -> Stack:
-    """Start the stack, record it, and return it (`main` first looks for one that is up)."""
+def _start_pool(workers: int, folder: Path) -> tuple[subprocess.Popen, str]:
+    """The warm pool's supervisor (orchestrate.cluster.pool), in a session of its own, its socket in
+    a private temp folder (a Unix socket's path is limited to 107 bytes)."""
+    socket_dir = tempfile.mkdtemp(prefix="orchestrate-pool-", dir="/tmp")  # 0700
+    path = os.path.join(socket_dir, "pool.sock")
+    with open(folder / "pool.log", "w") as pool_log:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool", "supervise", path, str(workers)],
+                                cwd=folder, stdout=pool_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return proc, path
+
+
+def _wait_for_pool(proc: subprocess.Popen, path: str, folder: Path) -> None:
+    from orchestrate.cluster import pool
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while pool.status(path, timeout_s=1.0) is None:
+        if proc.poll() is not None:
+            raise errors.Failed(f"the warm pool exited with code {proc.returncode}; its output: {folder / 'pool.log'}")
+        if time.monotonic() > deadline:
+            raise errors.Failed(f"the warm pool did not answer within {START_TIMEOUT_S} s; its output: "
+                                f"{folder / 'pool.log'}")
+        time.sleep(0.2)
+
+
+def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
+    """Start the stack, record it, and return it (`main` first looks for one that is up).
+    `workers`: the warm pool's commands at once (default: the head's CPUs; 0: no pool)."""
     import ray
 
     from orchestrate.cluster.mlflow_server import MlflowServer
@@ -237,20 +313,32 @@ def up(num_cpus: int | None, store: str) -> Stack:
     folder.chmod(0o700)
     _private_token()
     num_cpus = num_cpus or os.cpu_count() or 1
-    proc, address, temp_dir = _start_head(num_cpus, folder)
+    workers = num_cpus if workers is None else workers
+    # The pool imports while the head and the server start.
+    pool, pool_socket = _start_pool(workers, folder) if workers else (None, "")
+    started, temp_dir = [pool.pid] if pool else [], None
     try:
+        proc, address, temp_dir = _start_head(num_cpus, folder)
+        started.append(proc.pid)
         new_sqlite_store(store)
         write_ahead(store)
         with open(folder / "mlflow-server.log", "w") as server_log:
             artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts"
             server = MlflowServer(store, artifacts.resolve(), log=server_log, detached=True, outlive=True)
+        if pool:
+            _wait_for_pool(pool, pool_socket, folder)
     except BaseException:
-        _stop_pid(proc.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for pid in started:
+            _stop_pid(pid)
+        if pool_socket:
+            shutil.rmtree(os.path.dirname(pool_socket), ignore_errors=True)
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     stack = Stack(ray_address=address, ray_pid=proc.pid, ray_temp_dir=temp_dir, ray_version=ray.__version__,
                   num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
-                  artifacts=str(server.artifacts))
+                  artifacts=str(server.artifacts), pool_socket=pool_socket, pool_pid=pool.pid if pool else 0,
+                  pool_workers=workers)
     written = record_path().with_suffix(".tmp")
     written.write_text(json.dumps(asdict(stack), indent=1))
     written.chmod(0o600)
@@ -281,10 +369,14 @@ def _group_alive(pid: int) -> bool:
 
 
 def down() -> Stack | None:
-    """Stop the recorded stack (the server, then the head) and remove its record."""
-    stack = _read()
+    """Stop the recorded stack (the pool: its runs end KILLED while the server still takes that;
+    the server; the head) and remove its record."""
+    stack = recorded()
     if stack is None:
         return None
+    if stack.pool_pid:
+        _stop_pid(stack.pool_pid)
+        shutil.rmtree(os.path.dirname(stack.pool_socket), ignore_errors=True)
     _stop_pid(stack.server_pid)
     _stop_pid(stack.ray_pid)
     shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)

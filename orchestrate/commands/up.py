@@ -3,7 +3,8 @@ shown or stopped.
 
     orchestrate up                  # a Ray head and the MLflow server in front of ./mlflow.db, left running
     orchestrate up --num-cpus 8     # the head's logical CPUs (default: this machine's)
-    orchestrate up --status         # what is up, in one line (exit 1 when nothing is)
+    orchestrate up --workers 4      # the warm pool's commands at once (default: the head's CPUs; 0: no pool)
+    orchestrate up --status         # what is up (exit 1 when nothing is), the warm pool's runs
     orchestrate down                # stop both
 """
 
@@ -12,6 +13,7 @@ import logging
 
 from orchestrate import errors
 from orchestrate.boundary import TOOL, Where, boundary
+from orchestrate.cluster import pool
 from orchestrate.cluster.warm import down, found, up
 
 
@@ -21,25 +23,41 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="the head's logical CPUs (default: this machine's)")
     parser.add_argument("--store", default="sqlite:///mlflow.db",
                         help="the SQLite store the server fronts (default: ./mlflow.db, a command's default store)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="the warm pool's commands at once (default: the head's CPUs; 0: no pool): each runs as "
+                        "a fork of a process that imported torch, MLflow and orchestrate once")
     parser.add_argument("--status", action="store_true", help="say what is up; exit 1 when nothing is")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     with boundary(Where(TOOL)):
         if args.status:
-            stack = found()
-            print(f"warm: {stack.describe()}" if stack else "cold: no warm stack is up (`orchestrate up` starts one)")
-            return 0 if stack else 1
+            return show(found())
         if args.num_cpus is not None and args.num_cpus < 1:
             raise errors.Refused(f"--num-cpus={args.num_cpus}: must be 1 or more")
+        if args.workers is not None and args.workers < 0:
+            raise errors.Refused(f"--workers={args.workers}: must be 0 (no warm pool) or more")
         running = found()
         if running is not None:
             print(f"already up: {running.describe()}\n`orchestrate down` stops it (then `orchestrate up` starts one "
                   "for another store or size).", flush=True)
             return 0
-        stack = up(args.num_cpus, args.store)  # errors.Refused for a store it cannot front, Failed for a start
+        stack = up(args.num_cpus, args.store, args.workers)  # errors.Refused for a store it cannot front, Failed for a start
         print(f"up: {stack.describe()}\nCommands on this machine join it by themselves; `orchestrate down` stops it.",
               flush=True)
         return 0
+
+
+def show(stack) -> int:
+    """`--status`: the stack in one line, then the warm pool's own account (its runs)."""
+    if stack is None:
+        print("cold: no warm stack is up (`orchestrate up` starts one)")
+        return 1
+    print(f"warm: {stack.describe()}")
+    if stack.pool_socket:
+        state = pool.status(stack.pool_socket)
+        print("\n".join(pool.describe(state)) if state else "warm pool: not answering (starting again, or gone: "
+              "`orchestrate down` then `orchestrate up`)")
+    return 0
 
 
 def main_down(argv: list[str]) -> int:
