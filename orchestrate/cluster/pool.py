@@ -547,26 +547,24 @@ class Pool:
         import importlib
         import pkgutil
 
-        import orchestrate.backends
-
         began = time.perf_counter()
-        for name in [*BASE_IMPORTS, *(f"orchestrate.backends.{m.name}"
-                                      for m in pkgutil.iter_modules(orchestrate.backends.__path__))]:
+        backends = importlib.import_module("orchestrate.backends")  # by name: the pool is below the app it runs
+        for name in [*BASE_IMPORTS, *(f"orchestrate.backends.{m.name}" for m in pkgutil.iter_modules(backends.__path__))]:
             _import(importlib, name)
-        learned = _learn_imports()
-        for name in learned:
-            if not name.startswith(NOT_IMPORTED) and name not in sys.modules:
-                _import(importlib, name)
+        learned = [name for name in _learn_imports() if not name.startswith(NOT_IMPORTED) and name not in sys.modules]
+        missing = [name for name in learned if not _import(importlib, name)]
         threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
-        print(f"imported {len(sys.modules)} modules in {time.perf_counter() - began:.1f} s ({len(learned)} learned "
-              f"from a one-step run); {threads} thread(s) of the C libraries", flush=True)
+        print(f"imported {len(sys.modules)} modules in {time.perf_counter() - began:.1f} s, {len(learned)} of them "
+              f"learned from a one-step run ({len(missing)} not importable alone: {', '.join(missing[:5])}); "
+              f"{threads} thread(s) of the C libraries", flush=True)
 
 
-def _import(importlib, name: str) -> None:
+def _import(importlib, name: str) -> bool:
     try:
         importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001 - an optional library (ORT on a base install): the fork imports what it needs
-        print(f"not imported: {name}: {type(e).__name__}: {e}"[:300], flush=True)
+        return True
+    except Exception:  # noqa: BLE001 - an optional library (ORT on a base install): a fork imports what it needs
+        return False
 
 
 def _learn_imports() -> list[str]:
@@ -584,9 +582,9 @@ def _learn_imports() -> list[str]:
         sys.argv = ["orchestrate", "backend=torch", "trainer.max_steps=1", "trainer.progress=false",
                     "trainer.checkpoint_period=0", f"tracking.uri=sqlite:///{folder}/mlflow.db"]
         try:
-            from orchestrate import cli
+            import runpy
 
-            cli.main()
+            runpy.run_module("orchestrate", run_name="__main__", alter_sys=True)
         except BaseException:  # noqa: BLE001 - whatever it imported before it stopped still counts
             pass
         os.write(write, json.dumps(sorted(sys.modules)).encode())

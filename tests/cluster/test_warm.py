@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrate.cluster import warm
+from orchestrate.cluster import pool, warm
 from tests.commands.test_server import LOOPBACK, listening
 from tests.conftest import sweep_runs
 
@@ -41,8 +41,8 @@ def record(state: Path) -> warm.Stack:
 def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm_up):
     folder, state, printed = warm_up
     up = record(state)
-    assert printed.startswith(f"up: Ray {up.ray_version} at {up.ray_address} (2 CPUs, token auth) and the MLflow "
-                              f"server {up.server_uri} in front of sqlite:///{folder}/mlflow.db")
+    assert printed.startswith(f"up: Ray {up.ray_version} at {up.ray_address} (2 CPUs, token auth, 2 warm worker(s)) "
+                              f"and the MLflow server {up.server_uri} in front of sqlite:///{folder}/mlflow.db")
     for address in (up.ray_address, up.server_uri.removeprefix("http://")):
         found = listening(int(address.rsplit(":", 1)[1]))  # 127.0.0.1, or as IPv6 writes it (::ffff:127.0.0.1)
         assert found and found <= {LOOPBACK, "0000000000000000FFFF00000100007F"}, found
@@ -54,6 +54,7 @@ def test_up_starts_ray_and_the_server_on_loopback_with_a_private_record(warm_up)
     assert again.returncode == 0 and again.stdout.startswith(f"already up: Ray {up.ray_version} at {up.ray_address}")
     status = orchestrate("up", "--status", cwd=folder, state=state)
     assert (status.returncode, status.stdout.split(" (")[0]) == (0, f"warm: Ray {up.ray_version} at {up.ray_address}")
+    assert status.stdout.splitlines()[1].startswith(f"warm pool: pid {pool.status(up.pool_socket)['pid']} (started ")
 
 
 @pytest.mark.slow
@@ -61,10 +62,15 @@ def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm_up):
     """(A runner's worker group joining the warm head: the guide's runner commands, which
     tests/test_readme.py runs warm.)"""
     folder, state, _ = warm_up
+    served = pool.status(record(state).pool_socket)["served"]
     short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
     swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, cwd=folder, state=state)
     assert swept.returncode == 0, swept.stderr[-3000:]
-    assert "start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running" in swept.stdout
+    assert ("start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running, in a fork of "
+            "the warm pool (imports done)") in swept.stdout
+    # The sweep's driver and the Ray workers its trials ran in were forks of the pool.
+    now = pool.status(record(state).pool_socket)["served"]
+    assert now["command"] == served["command"] + 1 and now["worker"] > served["worker"]
     # Written through the warm server into the folder's store, read back from the file.
     _, (parent,), children = sweep_runs(folder)
     assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
@@ -141,9 +147,10 @@ def test_down_stops_every_process_of_the_stack(warm_up):
     up = record(state)
     done = orchestrate("down", cwd=folder, state=state)
     assert done.returncode == 0 and done.stdout.startswith(f"stopped: Ray {up.ray_version} at {up.ray_address}")
-    for pid in (up.ray_pid, up.server_pid):
+    for pid in (up.ray_pid, up.server_pid, up.pool_pid):
         with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)  # the whole process group: the head's GCS, raylet and workers too
+            os.killpg(pid, 0)  # the whole process group: the head's GCS, raylet and workers; the pool's forks
     assert not (state / "stack.json").exists() and not Path(up.ray_temp_dir).exists()
+    assert not Path(up.pool_socket).parent.exists()
     status = orchestrate("up", "--status", cwd=folder, state=state)
     assert (status.returncode, status.stdout.strip()) == (1, "cold: no warm stack is up (`orchestrate up` starts one)")
