@@ -113,16 +113,20 @@ def test_a_reused_worker_gives_the_losses_of_a_fresh_process(backend, warm_stack
         assert max(abs(a - b) for (_, a), (_, b) in zip(other, histories[0])) <= 1e-6, (histories[0], other)
 
 
-def test_ctrl_c_stops_the_run_killed_and_the_next_command_runs_warm(warm_stack, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_the_run_killed_and_the_next_command_runs_warm(sig, warm_stack, tmp_path):
+    """Ctrl-C (SIGINT, what a terminal sends its foreground process) or SIGTERM (`kill`, systemd)
+    to the command the user typed reaches the fork: the run ends KILLED, exit 128 + N."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = command([*here(QUICK), "trainer.max_steps=100000", "trainer.checkpoint_period=0", f"tracking.uri={uri}"],
                    tmp_path, warm_stack.state)
     fork = running_fork(warm_stack.state)
     wait_for("the run's first steps", lambda: list(tmp_path.glob("outputs/*/*/app.log")))
     time.sleep(2)
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the terminal's foreground process
+    proc.send_signal(sig)
     code, out, err = finished(proc, timeout=120)
-    assert code == 130, err[-3000:]
+    assert code == 128 + sig, err[-3000:]
     with pytest.raises(ProcessLookupError):
         os.kill(fork, 0)
     client = client_for(uri)
