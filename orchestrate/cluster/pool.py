@@ -335,6 +335,7 @@ class Pool:
         self.stopping = self.restart = False
         self.env = dict(os.environ)
         self.stamp = ""
+        self.cuda = False
 
     def serve(self) -> dict:
         import selectors
@@ -426,6 +427,9 @@ class Pool:
         """Why this request must run in a process of its own (a line), or None."""
         if self.stopping:
             return "the warm pool is stopping (`orchestrate down`): this command runs in its own process"
+        if self.cuda:
+            return ("the warm pool's imports started CUDA, which a fork cannot use: this command runs in its own "
+                    "process (the pool's log names what it imported)")
         if handed.get("prefix") != sys.prefix:
             return (f"the warm pool runs the Python of {sys.prefix}, this command {handed.get('prefix')}: it runs in its "
                     "own process")
@@ -553,6 +557,9 @@ class Pool:
             _import(importlib, name)
         learned = [name for name in _learn_imports() if not name.startswith(NOT_IMPORTED) and name not in sys.modules]
         missing = [name for name in learned if not _import(importlib, name)]
+        # CUDA cannot be used again in a fork of a process that started it: a library that did so on
+        # import makes every request run cold (`refuses`), with the line saying why.
+        self.cuda = bool(sys.modules.get("torch") and sys.modules["torch"].cuda.is_initialized())
         threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
         print(f"imported {len(sys.modules)} modules in {time.perf_counter() - began:.1f} s, {len(learned)} of them "
               f"learned from a one-step run ({len(missing)} not importable alone: {', '.join(missing[:5])}); "

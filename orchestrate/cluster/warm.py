@@ -328,8 +328,7 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
         if pool:
             _wait_for_pool(pool, pool_socket, folder)
     except BaseException:
-        for pid in started:
-            _stop_pid(pid)
+        _stop_pid(*started)
         if pool_socket:
             shutil.rmtree(os.path.dirname(pool_socket), ignore_errors=True)
         if temp_dir:
@@ -346,15 +345,15 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
     return stack
 
 
-def _stop_pid(pid: int) -> None:
-    """SIGTERM to the process group `pid` leads (each was started in a session of its own), then
-    SIGKILL to what is left of it after STOP_TIMEOUT_S."""
+def _stop_pid(*pids: int) -> None:
+    """SIGTERM to the process groups the `pids` lead (each was started in a session of its own),
+    together, then SIGKILL to what is left of them after STOP_TIMEOUT_S."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _group_alive(pid):
-            return
-        os.killpg(pid, sig)
+        alive = [pid for pid in pids if _group_alive(pid)]
+        for pid in alive:
+            os.killpg(pid, sig)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while _group_alive(pid) and time.monotonic() < deadline:
+        while any(_group_alive(pid) for pid in alive) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
@@ -377,8 +376,7 @@ def down() -> Stack | None:
     if stack.pool_pid:
         _stop_pid(stack.pool_pid)
         shutil.rmtree(os.path.dirname(stack.pool_socket), ignore_errors=True)
-    _stop_pid(stack.server_pid)
-    _stop_pid(stack.ray_pid)
+    _stop_pid(stack.server_pid, stack.ray_pid)
     shutil.rmtree(stack.ray_temp_dir, ignore_errors=True)
     record_path().unlink(missing_ok=True)
     return stack

@@ -1,5 +1,6 @@
 """The warm pool of `orchestrate up` (orchestrate.cluster.pool), on the session's warm stack
-(tests/conftest.py's `warm_stack`, 2 workers): a command typed as usual runs as a fork of it and
+(tests/conftest.py's `warm_stack`, 2 workers; slow: the stack's start and stop alone take half a
+minute, so the default tier has the pool's checks only): a command typed as usual runs as a fork of it and
 behaves as a process of its own (output, exit code, Ctrl-C, the same losses as a fresh process),
 the command's own process imports no torch, two commands at once share its workers or wait,
 kill -9 of a run's fork or of the pool itself is survived by the next command. The sweep's and the
@@ -63,6 +64,7 @@ def running_fork(state: Path) -> int:
                     lambda: next((f["pid"] for f in pool_state(state)["running"] if f["kind"] == "command"), None))
 
 
+@pytest.mark.slow
 def test_a_command_runs_as_a_fork_and_its_own_process_imports_no_torch(warm_stack, tmp_path):
     served = pool_state(warm_stack.state)["served"]["command"]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -87,10 +89,10 @@ def test_a_command_runs_as_a_fork_and_its_own_process_imports_no_torch(warm_stac
 
 
 # Every backend but auto, whose choice among them depends on timing (what it chooses is one of these).
-REUSED = [pytest.param(*p.values, marks=[*p.marks, *([] if p.values[0] == "torch" else [pytest.mark.slow])])
-          for p in backend_params([b for b in BACKENDS if b != "auto"])]
+REUSED = backend_params([b for b in BACKENDS if b != "auto"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", REUSED)
 def test_a_reused_worker_gives_the_losses_of_a_fresh_process(backend, warm_stack, tmp_path):
     """Two runs on the pool (the second forked from the same pool process as the first, after it)
@@ -113,8 +115,8 @@ def test_a_reused_worker_gives_the_losses_of_a_fresh_process(backend, warm_stack
         assert max(abs(a - b) for (_, a), (_, b) in zip(other, histories[0])) <= 1e-6, (histories[0], other)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
-                         ids=["ctrl-c", "sigterm"])
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_the_run_killed_and_the_next_command_runs_warm(sig, warm_stack, tmp_path):
     """Ctrl-C (SIGINT, what a terminal sends its foreground process) or SIGTERM (`kill`, systemd)
     to the command the user typed reaches the fork: the run ends KILLED, exit 128 + N."""
@@ -136,6 +138,7 @@ def test_ctrl_c_stops_the_run_killed_and_the_next_command_runs_warm(sig, warm_st
     assert again[0] == 0 and FORK_LINE in again[1], again[2][-3000:]
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_runs_fork_is_said_and_survived_by_the_next_command(warm_stack, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = command([*here(QUICK), "trainer.max_steps=100000", f"tracking.uri={uri}"], tmp_path, warm_stack.state)
@@ -148,6 +151,7 @@ def test_kill_9_of_a_runs_fork_is_said_and_survived_by_the_next_command(warm_sta
     assert again[0] == 0 and FORK_LINE in again[1], again[2][-3000:]
 
 
+@pytest.mark.slow
 def test_more_commands_than_workers_wait_with_a_line_then_give_up_at_their_timeout(warm_stack, tmp_path):
     workers = record(warm_stack.state).pool_workers
     long_runs = [command([*here(QUICK), "trainer.max_steps=100000", f"tracking.uri=sqlite:///{tmp_path}/{i}.db"],
@@ -169,6 +173,7 @@ def test_more_commands_than_workers_wait_with_a_line_then_give_up_at_their_timeo
             finished(proc, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_pool_answers_its_user_only(warm_stack, tmp_path):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another user")
