@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from orchestrate import signals
 from orchestrate.errors import CheckpointError
 from orchestrate.schema import ConfigError, TrainerConf
 
@@ -70,6 +71,11 @@ class Checkpoints:
                 # Cut off (a signal's KeyboardInterrupt) or failed: no half file stays behind, and
                 # a full disk gets back the space the partial file took.
                 tmp.unlink(missing_ok=True)
+                if isinstance(e, Exception) and signals.stopped_by() is not None:
+                    # A stop signal that landed inside torch.save: its zip writer turns the
+                    # KeyboardInterrupt raised in its write callback into a RuntimeError ("unexpected
+                    # pos"). The run was stopped (KILLED), not failed.
+                    raise signals.stopped_by() from e
                 if isinstance(e, Exception):
                     raise CheckpointError(self._not_written(step, suffix, e)) from e
                 raise

@@ -74,6 +74,25 @@ def test_a_write_cut_off_by_ctrl_c_leaves_no_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["step_0000010.pt"]
 
 
+def test_a_stop_signal_that_torch_save_turns_into_its_own_error_still_stops_the_run(tmp_path):
+    """torch's zip writer turns the KeyboardInterrupt raised in its write callback into a
+    RuntimeError ("unexpected pos"): a signal that landed inside the write is still a stop (the
+    run ends KILLED), not a checkpoint that could not be written (FAILED)."""
+    ckpt = Checkpoints(TrainerConf(max_steps=20, checkpoint_period=10), tmp_path)
+
+    def interrupted(path):
+        Path(path).write_bytes(b"half")
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises Stopped here, inside the write
+            signal.sigtimedwait([], 1)
+        except signals.Stopped:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 26432 vs 26324") from None
+
+    with signals.stop_on_signals(), pytest.raises(signals.Stopped) as stopped:
+        ckpt.save(10, interrupted, suffix=".pt")
+    assert stopped.value.signum == signal.SIGTERM and list(tmp_path.iterdir()) == []
+
+
 def test_a_writer_killed_midway_leaves_no_half_file_under_the_final_name(tmp_path):
     """SIGKILL cannot be cleaned up after: the half file stays under its temporary name, which a
     resume never takes (it looks for step_*), and the last finished checkpoint still loads."""

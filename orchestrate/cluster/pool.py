@@ -377,9 +377,14 @@ class Pool:
         raise SystemExit(RESTART if self.restart and not self.stopping else 0)
 
     def _stop(self, *_) -> None:
-        """SIGTERM: take nothing more, and end once the forks have (`down` signals its whole
-        process group: each fork has its own SIGTERM, and its run ends KILLED)."""
+        """SIGTERM: take nothing more, and end once the forks have. `down` signals the pool's whole
+        process group, so each command's fork has its own SIGTERM (its run ends KILLED); Ray's
+        workers lead groups of their own and get it from here (else the pool would wait for them,
+        and they for the head `down` stops after the pool)."""
         self.stopping = True
+        for fork in self.running.values():
+            if fork.kind == "worker":
+                _send_signal(fork.pid, signal.SIGTERM)
 
     def _next_timeout(self) -> float | None:
         times = [w.until for w in self.waiting] + [f.kill_at for f in self.running.values() if f.kill_at]
