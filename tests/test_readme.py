@@ -485,7 +485,10 @@ def test_the_command_does_what_the_readme_says(command, ran):
 
 
 # An example that names no backend runs the default one (ortmodule) as typed: ORT's where it is missing.
-@pytest.mark.parametrize("command,shown", [pytest.param(c, s, marks=[] if "backend=" in c else [pytest.mark.ort])
+# The sweep's example (10 s: a sweep's check starts Ray beside it) runs in the full suite; the single
+# runs' examples stand for it in the default tier.
+@pytest.mark.parametrize("command,shown", [pytest.param(c, s, marks=([] if "backend=" in c else [pytest.mark.ort]) +
+                                                        ([pytest.mark.slow] if " -m " in c else []))
                                            for c, s in bad_input_examples()], ids=[c for c, _ in bad_input_examples()])
 def test_the_bad_input_examples_print_what_the_readme_shows(command, shown, installed_wheel, tmp_path):
     done = run(command, tmp_path, installed_wheel.env)

@@ -36,6 +36,7 @@ Three processes (`up` starts them, `down` stops their process group):
 Imports nothing heavy: the client side runs in every command before it knows it will train.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -342,7 +343,7 @@ class Pool:
 
         self.warm_up()
         self.stamp = code_stamp()
-        with contextlib_suppress_missing():
+        with contextlib.suppress(OSError, KeyError, ValueError):
             os.unlink(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         before = os.umask(0o077)
@@ -465,7 +466,7 @@ class Pool:
         what = " ".join(handed["program"][-1:] + handed["argv"])[:200] if handed["kind"] == "command" else \
             "a Ray worker"
         self.running[pid] = Fork(pid, conn, handed["kind"], what)
-        with contextlib_suppress_missing():
+        with contextlib.suppress(OSError, KeyError, ValueError):
             self.selector.unregister(conn)
         self.selector.register(conn, 1, "client")
         _reply(conn, {"pid": pid})
@@ -480,7 +481,7 @@ class Pool:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.selector.close()
         for fd in self.own_fds:
-            with contextlib_suppress_missing():
+            with contextlib.suppress(OSError, KeyError, ValueError):
                 os.close(fd)
         for fork in self.running.values():
             fork.conn.close()
@@ -518,7 +519,7 @@ class Pool:
             if fork is None:
                 continue
             code = os.waitstatus_to_exitcode(status)
-            with contextlib_suppress_missing():
+            with contextlib.suppress(OSError, KeyError, ValueError):
                 self.selector.unregister(fork.conn)
             _reply(fork.conn, {"exit": code})
             fork.conn.close()
@@ -627,7 +628,7 @@ def _reply(conn: socket.socket, message: dict) -> None:
 
 def _close(conn: socket.socket, fds: list[int]) -> None:
     for fd in fds:
-        with contextlib_suppress_missing():
+        with contextlib.suppress(OSError, KeyError, ValueError):
             os.close(fd)
     conn.close()
 
@@ -639,12 +640,6 @@ def _drain(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
-
-
-def contextlib_suppress_missing():
-    import contextlib
-
-    return contextlib.suppress(OSError, KeyError, ValueError)
 
 
 # ---- the fork ------------------------------------------------------------------------------------

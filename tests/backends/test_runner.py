@@ -62,6 +62,7 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
+@pytest.mark.slow  # 15-17 s; the default tier has the runner in the contract suite
 def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b_and_stay_identical(tmp_path, one_worker):
     two = train(tmp_path, "two", "trainer.num_workers=2", "trainer.batch_size=32", "trainer.display_loss_steps=1")
     assert_same(final_weights(two), final_weights(one_worker), atol=1e-5)

@@ -63,7 +63,7 @@ def left_running(pattern: str) -> str:
     # Optuna's choices are each checked...
     pytest.param(["+experiment=lr_search", "+sweep", "trainer.max_steps=choice(10, 0)"],
                  r"error: trial \d+ \([^)]*trainer.max_steps=0[^)]*\): trainer.max_steps=0: must be at least 1",
-                 marks=pytest.mark.ort),
+                 marks=[pytest.mark.ort, pytest.mark.slow]),  # 10 s; "optuna interval" stands for it in the default tier
     # ...and an interval at its ends: Optuna would sample floats for an integer key.
     (["+experiment=lr_search", "+sweep", "trainer.max_steps=interval(10, 100)"],
      r"error: trainer.max_steps: Value '10.0' of type 'float' could not be converted to Integer"),
