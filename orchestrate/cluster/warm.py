@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrate import errors
+from orchestrate.cluster import pool
 from orchestrate.cluster.ports import answers
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,10 @@ class Stack:
     pool_workers: int = 0  # commands at once
 
     def ray_answers(self) -> bool:
-        return _answers(self.ray_address) and _alive(self.ray_pid)
+        return _answers(self.ray_address) and pool.alive(self.ray_pid)
 
     def server_answers(self) -> bool:
-        return _answers(self.server_uri.removeprefix("http://")) and _alive(self.server_pid)
+        return _answers(self.server_uri.removeprefix("http://")) and pool.alive(self.server_pid)
 
     def pool_answers(self) -> bool:
         from orchestrate.cluster import pool
@@ -108,16 +109,6 @@ class Stack:
 def _answers(hostport: str) -> bool:
     host, _, port = hostport.rpartition(":")
     return port.isdigit() and answers(host, int(port), ANSWER_TIMEOUT_S)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process took the number
-        return False
 
 
 def recorded() -> Stack | None:
@@ -215,7 +206,7 @@ def hand_over(argv: list[str]) -> int | None:
     if stack is None or not stack.pool_socket:
         return None
     if not stack.pool_answers():
-        why = ("is starting again (its process ended)" if _alive(stack.pool_pid) else
+        why = ("is starting again (its process ended)" if pool.alive(stack.pool_pid) else
                "is gone (`orchestrate down` then `orchestrate up` starts it again)")
         print(f"the warm pool of {record_path()} {why}: this command runs in its own process", file=sys.stderr,
               flush=True)
@@ -277,7 +268,7 @@ def _start_pool(workers: int, folder: Path) -> tuple[subprocess.Popen, str]:
     socket_dir = tempfile.mkdtemp(prefix="orchestrate-pool-", dir="/tmp")  # 0700
     path = os.path.join(socket_dir, "pool.sock")
     with open(folder / "pool.log", "w") as pool_log:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool", "supervise", path, str(workers)],
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool_process", "supervise", path, str(workers)],
                                 cwd=folder, stdout=pool_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     return proc, path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrate.cluster import pool, warm
+from orchestrate.cluster import pool, pool_process, warm
 from tests.conftest import BACKENDS, backend_params, client_for, here, metric_steps
 
 QUICK = ["data=synthetic", "trainer=quick", "trainer.progress=false"]
@@ -191,7 +191,7 @@ def test_the_pool_answers_its_user_only(warm_stack, tmp_path):
 
 
 def refusal(**handed) -> str | None:
-    state = pool.Pool("/nonexistent", 1)
+    state = pool_process.Pool("/nonexistent", 1)
     state.stamp = "stamp"
     return state.refuses({"prefix": sys.prefix, "stamp": "stamp", "env": dict(os.environ), **handed})
 
