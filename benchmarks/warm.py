@@ -65,9 +65,12 @@ class Bench:
         return seconds
 
     def best(self, name: str, argv: list[str], warm: bool = False, in_stack: bool = False,
-             per_run: list[str] | None = None) -> None:
-        self.seconds[name] = min(self.timed([*argv, *([f"{w}{self.runs}" for w in per_run] if per_run else [])],
-                                            warm, in_stack) for _ in range(self.repeats))
+             own_experiment: bool = False) -> None:
+        """Best of `repeats`; `own_experiment`: each its own tracking.experiment (a sweep run again in
+        the same store would skip its finished trials)."""
+        self.seconds[name] = min(
+            self.timed([*argv, *([f"tracking.experiment=bench-{self.runs}"] if own_experiment else [])], warm, in_stack)
+            for _ in range(self.repeats))
         print(f"{name}: {self.seconds[name]:.1f} s (best of {self.repeats})", file=sys.stderr, flush=True)
 
     def up(self) -> None:
@@ -90,7 +93,7 @@ def measure(bench: Bench, cases: list[str]) -> None:
         bench.best("single warm", [*py, *SINGLE], warm=True)
     if "sweep" in cases:
         bench.best("sweep cold", [*py, *SWEEP])
-        bench.best("sweep warm", [*py, *SWEEP], warm=True, in_stack=True, per_run=["tracking.experiment=bench-"])
+        bench.best("sweep warm", [*py, *SWEEP], warm=True, in_stack=True, own_experiment=True)
     if "runner" in cases:
         for how in ("cold", "warm"):
             bench.best(f"one process {how}", [*py, *ONE_PROCESS], warm=how == "warm")

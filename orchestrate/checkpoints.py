@@ -71,11 +71,12 @@ class Checkpoints:
                 # Cut off (a signal's KeyboardInterrupt) or failed: no half file stays behind, and
                 # a full disk gets back the space the partial file took.
                 tmp.unlink(missing_ok=True)
-                if isinstance(e, Exception) and signals.stopped_by() is not None:
+                stopped = signals.stopped_by() if isinstance(e, Exception) else None
+                if stopped is not None:
                     # A stop signal that landed inside torch.save: its zip writer turns the
                     # KeyboardInterrupt raised in its write callback into a RuntimeError ("unexpected
                     # pos"). The run was stopped (KILLED), not failed.
-                    raise signals.stopped_by() from e
+                    raise stopped from e
                 if isinstance(e, Exception):
                     raise CheckpointError(self._not_written(step, suffix, e)) from e
                 raise

@@ -155,13 +155,10 @@ def wait_s_of(argv: list[str]) -> float:
     return DEFAULT_WAIT_S
 
 
-def hand_over(handed: Handed, socket_path: str) -> int | None:
-    """Run `handed` as a fork of the pool at `socket_path`, this process standing in for it (its
-    signals forwarded); its exit code, or None when the pool cannot take it (a line says why):
-    the caller runs it itself."""
-    sock = connect(socket_path)
-    if sock is None:
-        return None
+def hand_over(handed: Handed, sock: socket.socket) -> int | None:
+    """Run `handed` as a fork of the pool connected on `sock` (`connect`), this process standing in
+    for it (its signals forwarded); its exit code, or None when the pool cannot take it (a line says
+    why): the caller runs it itself."""
     handed.stamp = handed.stamp or code_stamp()
     forward = _Forward()
     try:
@@ -170,18 +167,18 @@ def hand_over(handed: Handed, socket_path: str) -> int | None:
             send(sock, handed.__dict__, [0, 1, 2])
             sock.settimeout(None)  # from here on the pool answers when the fork ends: the run's own time
             for reply in replies(sock):
+                said = reply.get("cold") or reply.get("wait") or reply.get("timeout")
+                if said:
+                    print(said, file=sys.stderr, flush=True)
                 if "cold" in reply:
-                    print(reply["cold"], file=sys.stderr, flush=True)
                     return None
-                if "wait" in reply or "timeout" in reply:
-                    print(reply.get("wait") or reply["timeout"], file=sys.stderr, flush=True)
-                    if "timeout" in reply:
-                        return 1
-                elif "pid" in reply:
+                if "timeout" in reply:
+                    return 1
+                if "pid" in reply:
                     forward.to(reply["pid"])
-                elif "exit" in reply:
+                if "exit" in reply:
                     return forward.exit_code(reply["exit"], handed.kind)
-    except OSError:
+    except (OSError, ValueError):  # the pool went away mid-answer
         pass
     finally:
         forward.restore()
@@ -298,8 +295,9 @@ def main(argv: list[str]) -> int:
     process becomes the worker itself."""
     if argv[:1] != ["worker"] or len(argv) < 3:
         raise SystemExit("usage: python -m orchestrate.cluster.pool worker SOCKET PROGRAM [ARGS]")
-    socket_path, program, args = argv[1], argv[2], argv[3:]
-    code = hand_over(Handed("worker", [program], args), socket_path)
+    program, args = argv[2], argv[3:]
+    sock = connect(argv[1])
+    code = hand_over(Handed("worker", [program], args), sock) if sock is not None else None
     if code is None:
         os.execv(sys.executable, [sys.executable, program, *args])
     return code

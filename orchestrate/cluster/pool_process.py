@@ -268,8 +268,6 @@ class Pool:
             _close(waiting.conn, waiting.fds)
         if self.waiting and self._busy() < self.workers and not (self.stopping or self.restart):
             waiting = self.waiting.popleft()
-            self.selector.unregister(waiting.conn)
-            waiting.conn.settimeout(None)
             return self._fork(waiting.conn, waiting.handed, waiting.fds)
         return None
 

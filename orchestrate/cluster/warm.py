@@ -20,8 +20,9 @@ the head keeps its files in a temp folder of its own, so a user's own `ray start
 and the address file there) and this head never meet, and `orchestrate down` stops this head's
 processes only (`ray stop` would stop every Ray on the machine).
 
-This module imports nothing else of orchestrate but `ports` and `errors`: `ray_cluster` (which the
-Hydra launcher plugin uses alone) asks it for the head.
+This module imports nothing else of orchestrate but `ports`, `errors` and `pool` (the warm pool's
+client, which imports nothing of orchestrate): `ray_cluster` (which the Hydra launcher plugin uses
+alone) asks it for the head.
 """
 
 import contextlib
@@ -93,8 +94,6 @@ class Stack:
         return _answers(self.server_uri.removeprefix("http://")) and pool.alive(self.server_pid)
 
     def pool_answers(self) -> bool:
-        from orchestrate.cluster import pool
-
         sock = pool.connect(self.pool_socket) if self.pool_socket else None
         if sock is not None:
             sock.close()
@@ -162,8 +161,6 @@ def start_line(ray: str | None, server: bool | None) -> str:
     """The summary's line on how a command started: `ray` as orchestrate.cluster.ray_cluster.how() says
     (warm, cold, cluster; None: no Ray), `server` whether the sweep's MLflow server was the warm
     stack's (None: no server of its own); in a fork of the warm pool, that too."""
-    from orchestrate.cluster import pool
-
     warm = [what for what, yes in (("the Ray head", ray == "warm"), ("the MLflow server", server is True)) if yes]
     cold = [what for what, yes in (("a local Ray", ray == "cold"), ("an MLflow server", server is False)) if yes]
     if ray == "cluster":
@@ -188,8 +185,6 @@ def start_line(ray: str | None, server: bool | None) -> str:
 def worker_python() -> str | None:
     """Ray's `py_executable` for a job on the warm head: its workers become forks of the warm pool
     (orchestrate.cluster.pool); None when the stack has no pool that answers."""
-    from orchestrate.cluster import pool
-
     stack = recorded()
     return pool.worker_python(stack.pool_socket) if stack is not None and stack.pool_answers() else None
 
@@ -198,21 +193,19 @@ def hand_over(argv: list[str]) -> int | None:
     """`python -m orchestrate ARGS` on the warm stack: the command runs as a fork of the warm pool,
     this process standing in for it; its exit code, or None to run here (no pool, ORCHESTRATE_WARM=0,
     already a fork, or the pool cannot take it: a line says why)."""
-    from orchestrate.cluster import pool
-
     if os.environ.get("ORCHESTRATE_WARM") == "0" or pool.forked():
         return None
     stack = recorded()
     if stack is None or not stack.pool_socket:
         return None
-    if not stack.pool_answers():
+    sock = pool.connect(stack.pool_socket)
+    if sock is None:
         why = ("is starting again (its process ended)" if pool.alive(stack.pool_pid) else
                "is gone (`orchestrate down` then `orchestrate up` starts it again)")
         print(f"the warm pool of {record_path()} {why}: this command runs in its own process", file=sys.stderr,
               flush=True)
         return None
-    return pool.hand_over(pool.Handed("command", ["-m", "orchestrate"], argv, wait_s=pool.wait_s_of(argv)),
-                          stack.pool_socket)
+    return pool.hand_over(pool.Handed("command", ["-m", "orchestrate"], argv, wait_s=pool.wait_s_of(argv)), sock)
 
 
 # ---- up and down ---------------------------------------------------------------------------------
@@ -275,8 +268,6 @@ def _start_pool(workers: int, folder: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _wait_for_pool(proc: subprocess.Popen, path: str, folder: Path) -> None:
-    from orchestrate.cluster import pool
-
     deadline = time.monotonic() + START_TIMEOUT_S
     while pool.status(path, timeout_s=1.0) is None:
         if proc.poll() is not None:
@@ -306,8 +297,8 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
     num_cpus = num_cpus or os.cpu_count() or 1
     workers = num_cpus if workers is None else workers
     # The pool imports while the head and the server start.
-    pool, pool_socket = _start_pool(workers, folder) if workers else (None, "")
-    started, temp_dir = [pool.pid] if pool else [], None
+    supervisor, pool_socket = _start_pool(workers, folder) if workers else (None, "")
+    started, temp_dir = [supervisor.pid] if supervisor else [], None
     try:
         proc, address, temp_dir = _start_head(num_cpus, folder)
         started.append(proc.pid)
@@ -316,8 +307,8 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
         with open(folder / "mlflow-server.log", "w") as server_log:
             artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts"
             server = MlflowServer(store, artifacts.resolve(), log=server_log, detached=True, outlive=True)
-        if pool:
-            _wait_for_pool(pool, pool_socket, folder)
+        if supervisor:
+            _wait_for_pool(supervisor, pool_socket, folder)
     except BaseException:
         _stop_pid(*started)
         if pool_socket:
@@ -327,7 +318,7 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
         raise
     stack = Stack(ray_address=address, ray_pid=proc.pid, ray_temp_dir=temp_dir, ray_version=ray.__version__,
                   num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
-                  artifacts=str(server.artifacts), pool_socket=pool_socket, pool_pid=pool.pid if pool else 0,
+                  artifacts=str(server.artifacts), pool_socket=pool_socket, pool_pid=supervisor.pid if supervisor else 0,
                   pool_workers=workers)
     written = record_path().with_suffix(".tmp")
     written.write_text(json.dumps(asdict(stack), indent=1))
@@ -359,8 +350,8 @@ def _group_alive(pid: int) -> bool:
 
 
 def down() -> Stack | None:
-    """Stop the recorded stack (the pool: its runs end KILLED while the server still takes that;
-    the server; the head) and remove its record."""
+    """Stop the recorded stack (first the pool: its runs end KILLED while the server still takes
+    that; then the server and the head together) and remove its record."""
     stack = recorded()
     if stack is None:
         return None
