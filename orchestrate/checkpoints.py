@@ -162,7 +162,7 @@ def progress(step: int, job) -> dict[str, int]:
     every checkpoint format holds (ORT's CheckpointState as properties)."""
     t = job.trainer
     micro_steps = step * t.gradient_accumulation_steps
-    round_, index = job.data.epoch_of(micro_steps, t.batch_size, t.num_workers)  # at any worker count
+    round_, index = job.data.epoch_of(micro_steps, t.batch_size, t.replicas)  # at any worker count
     return {
         "step": step,  # weight updates done (ORT: weight_update_step_count_)
         "micro_steps": micro_steps,  # forward/backward passes done (ORT: step_), also the data position
@@ -182,7 +182,7 @@ def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, schedul
         torch.save({
             **progress(step, job),
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),  # or its state
             "scheduler": scheduler.state_dict() if scheduler else None,
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "rng": rng_state(),

@@ -308,9 +308,11 @@ class Job:
         # The ranks present take them in turn (rank r the r-th, the (r+N)-th, ...), so with fewer
         # workers (an elastic run) each runs more of them, and a rank's losses are weighted so that
         # the all-reduced gradients are the mean over the whole global batch (`loss_weight`).
-        self.slices = t.gradient_accumulation_steps * t.num_workers
-        self.micro_batches = len(range(p.rank, self.slices, p.world_size))  # this rank's, per step
-        self.loss_weight = p.world_size / self.slices  # 1/K at full size; DDP then averages over the ranks
+        # With pipeline stages the data-parallel ranks are the replicas (each stage of replica d
+        # reads replica d's slices: the first its inputs, the last its targets).
+        self.slices = t.gradient_accumulation_steps * t.replicas
+        self.micro_batches = len(range(p.replica, self.slices, p.replicas))  # this rank's, per step
+        self.loss_weight = p.replicas / self.slices  # 1/K at full size; DDP then averages over the ranks
         samples = t.batch_size * self.slices
         self.meter = Meter(t, self.backend.name, self.lr, samples, self.out_dir, logging=self.parallel.logging,
                            paused=lambda: self.checkpoints.seconds,
@@ -365,9 +367,9 @@ class Job:
         reads part r of the step's K global batches, as ORT's TrainingRunner shards them, and with
         fewer workers the same slices are read, by fewer ranks."""
         t, p = self.trainer, self.parallel
-        flat = micro * p.world_size + p.rank
-        position = (step - 1) * t.gradient_accumulation_steps + flat // t.num_workers
-        return self.data.train_batch(position, t.batch_size, t.seed, flat % t.num_workers, t.num_workers)
+        flat = micro * p.replicas + p.replica
+        position = (step - 1) * t.gradient_accumulation_steps + flat // t.replicas
+        return self.data.train_batch(position, t.batch_size, t.seed, flat % t.replicas, t.replicas)
 
     def registration(self):
         """Where the final model is registered (tracking.register_model), None: not registered. The

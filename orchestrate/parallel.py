@@ -17,6 +17,8 @@ class Parallel:
 
     rank = 0
     world_size = 1
+    replica, replicas = 0, 1  # which data-parallel replica this rank is of how many (the runner: rank, world size)
+    stages = 1  # pipeline stages the model is cut into (the runner's `Stages`: trainer.pipeline_parallel_size)
     device: torch.device | None = None  # None: trainer.device
     logging = True  # this process logs, evaluates and checkpoints (rank 0)
     average_every = 0  # N: average the parameters every N updates instead of all-reducing gradients
@@ -25,9 +27,31 @@ class Parallel:
     # it measures them itself, once (Job.busy_cores). backend=auto's probes share the run's.
     busy: Callable[[], float] | None = None
 
+    def part(self, model: torch.nn.Module, sample: torch.Tensor) -> torch.nn.Module:
+        """The part of `model` this process trains: all of it (a pipeline stage on the runner's
+        stages, `sample` one micro-batch's input, which sizes what crosses between them)."""
+        return model
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as the loop trains it (DDP across workers)."""
         return model
+
+    def assemble(self, optimizer=None) -> dict | None:
+        """Where the loop needs the whole model (evaluation, checkpoint, export): nothing to do
+        alone (the runner's stages bring it together on rank 0; with `optimizer`, returning the
+        whole model's optimizer state there)."""
+        return optimizer.state_dict() if optimizer is not None else None
+
+    def hollow(self) -> None:
+        """After `assemble`: nothing to do alone (the stages empty the other stages' weights again)."""
+
+    def optimizer_part(self, state: dict) -> dict:
+        """The part of a checkpoint's optimizer state this process's optimizer holds: all of it."""
+        return state
+
+    def norms(self, found: dict[str, float]) -> dict[str, float]:
+        """The whole model's norms from this process's (alone: the same)."""
+        return found
 
     def accumulating(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Around a micro-batch's forward and backward: no gradient AllReduce until the `last`."""

@@ -139,11 +139,25 @@ class TrainerConf:
     # worker at num_workers, so a step's global batch is the same at any size.
     min_workers: Annotated[Optional[int], AT_LEAST_1] = None
     gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = 1  # micro-batches per weight update (backend=runner)
+    # Pipeline stages (backend=runner): the model cut into this many stages, one per worker, so
+    # num_workers = pipeline_parallel_size x data-parallel replicas. Each step's
+    # gradient_accumulation_steps micro-batches (per replica) go through the stages as
+    # pipeline_schedule orders them (docs/runner.md#pipeline-stages).
+    pipeline_parallel_size: Annotated[int, AT_LEAST_1] = 1
+    pipeline_schedule: str = "gpipe"  # gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward)
+    # Where stages 2..P begin: P-1 names of the model's submodules (e.g. [blocks.1]); null: cut where
+    # the parameter counts balance (backend.runner.stages lists the places a model can be cut).
+    pipeline_split: Optional[list[str]] = None
     # "auto": continue the newest unfinished MLflow run with this same config from its latest
     # checkpoint (a fresh run when there is none); a run id: continue that run. Same MLflow run,
     # each step logged once.
     resume: Optional[str] = None
     tensorboard: bool = False  # also write TensorBoard event files to <outputs>/tensorboard
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the model (of each pipeline stage): num_workers / pipeline_parallel_size."""
+        return max(1, self.num_workers // self.pipeline_parallel_size)
 
     @property
     def elastic(self) -> bool:

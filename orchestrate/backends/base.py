@@ -57,6 +57,10 @@ class Backend(ABC):
             raise ConfigError(f"trainer.num_workers={t.num_workers} and trainer.gradient_accumulation_steps="
                               f"{t.gradient_accumulation_steps} need backend=runner; backend={self.name} trains "
                               "in one process with one batch per step")
+        if not self.distributed and t.pipeline_parallel_size > 1:
+            raise ConfigError(f"trainer.pipeline_parallel_size={t.pipeline_parallel_size}: pipeline stages need "
+                              f"backend=runner (one stage per worker); backend={self.name} trains the whole model in one "
+                              "process (drop it, or set backend=runner trainer.num_workers=<a multiple of it>)")
         if not self.distributed and t.min_workers is not None:
             raise ConfigError(f"trainer.min_workers={t.min_workers}: an elastic worker count needs backend=runner; "
                               f"backend={self.name} trains in one process (drop it with ~trainer.min_workers)")

@@ -35,6 +35,7 @@ class TorchBackend(Backend):
     fused_optimizer: bool = field(default=True, kw_only=True)  # a default: a user's subclass file may leave it out
     resumable = True
     data_parallel = True
+    stages = True  # trains one pipeline stage of the model on the runner (trainer.pipeline_parallel_size)
     precisions = ("fp32", "fp16", "bf16")
 
     def check(self, job) -> None:
@@ -59,7 +60,8 @@ class TorchBackend(Backend):
         if state is not None:
             job.model.load_state_dict(state["model"])  # before wrapping: ORTModule exports these weights
         plain = job.model.to(device)  # keep the unwrapped module: checkpoints and export use it
-        model = parallel.wrap(self.wrap(plain, job))
+        # The part this rank trains: the whole model, or on the runner's pipeline its stage.
+        model = parallel.wrap(self.wrap(parallel.part(plain, job.train_batch(1)[0]), job))
         optimizer = self.make_optimizer(model, job)
         scheduler = make_scheduler(optimizer, t)
         loss_fn = losses.get(job.data.loss).torch
@@ -73,6 +75,8 @@ class TorchBackend(Backend):
         # (A disabled autocast still costs ~5 us a step: a small model's step is ~1 ms.)
         half = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}.get(t.precision)
         autocast = torch.autocast(device_type=device.type, dtype=half) if half else contextlib.nullcontext()
+        if state is not None:
+            state = {**state, "optimizer": parallel.optimizer_part(state["optimizer"])}
         done = checkpoints.restore_torch(state, optimizer, scheduler, scaler, job) if state is not None else 0
         model.train()
 
@@ -89,20 +93,25 @@ class TorchBackend(Backend):
         grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731 - the runner's guard reads them
         for step in meter.steps(start=done + 1):
             self.seed_step(step, job)
-            loss_sum = None
-            for micro in range(K):
-                x, y = batches.get(step, micro)
-                with parallel.accumulating(model, last=micro == K - 1):
-                    with autocast:
-                        loss = loss_fn(model(x), y)
-                    if weight != 1:  # the mean over the step's global batch (no extra op on the usual path)
-                        loss = loss * weight
-                    scaler.scale(loss).backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            parallel.hollow()  # pipeline stages: the model assembled for the last step's reads is emptied again
+            if parallel.stages > 1:  # the step's micro-batches through the stages, in the schedule's order
+                loss_sum = parallel.run(model, lambda micro: batches.get(step, micro),  # noqa: B023
+                                        lambda out, y: loss_fn(out, y) * weight, K)
+            else:
+                loss_sum = None
+                for micro in range(K):
+                    x, y = batches.get(step, micro)
+                    with parallel.accumulating(model, last=micro == K - 1):
+                        with autocast:
+                            loss = loss_fn(model(x), y)
+                        if weight != 1:  # the mean over the step's global batch (no extra op on the usual path)
+                            loss = loss * weight
+                        scaler.scale(loss).backward()
+                    loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             display, grad_norm = meter.displaying(step), None
             if display:
                 scaler.unscale_(optimizer)  # the norms of the true gradients (a no-op in fp32)
-                found = norms(model, scaler if fp16 else None)
+                found = parallel.norms(norms(model, scaler if fp16 else None))
                 meter.log(found, step)
                 if not fp16:  # in fp16 an overflowing gradient is the loss scaler's to skip
                     grad_norm = found.get("train/grad_norm")
@@ -114,8 +123,11 @@ class TorchBackend(Backend):
                 scheduler.step()
             if display:
                 meter.log(parallel.replica_metrics(model.parameters()), step)
+            saved = optimizer  # what the checkpoint holds of the optimizer
+            if parallel.stages > 1 and (t.due(step, t.evaluation_period) or t.due(step, t.checkpoint_period)):
+                saved = parallel.assemble(optimizer if t.due(step, t.checkpoint_period) else None)  # the whole model on rank 0
             meter.evaluate(step, lambda: evaluate(plain, job))
-            job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, optimizer, scheduler,  # noqa: B023
+            job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, saved, scheduler,  # noqa: B023
                                                                           job, scaler=scaler), suffix=".pt", export=export)
             if meter.stop_early(step):  # a pruning sweep's pruner stopped this trial
                 break

@@ -16,6 +16,7 @@ class Workers(Parallel):
     def __init__(self, rank: int, world_size: int, device: torch.device, average_every: int = 0,
                  check_replicas: bool = True, cores: float | None = None):
         self.rank, self.world_size, self.device, self.cores = rank, world_size, device, cores
+        self.replica, self.replicas = rank, world_size
         self.logging = rank == 0
         self.average_every, self.check_replicas = average_every, check_replicas
 

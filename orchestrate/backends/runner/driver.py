@@ -204,6 +204,9 @@ class RunnerBackend(Backend):
                               f"workers; allowed: {', '.join(engines() + backends('chooses'))}")
         else:
             engine.check(job)  # the engine's own limits (the on-device API's losses, optimizers, fp32)
+        from orchestrate.backends.runner import pipeline
+
+        pipeline.check(job, engine)  # trainer.pipeline_*: the stages against the workers, the engine and the model
         if self.log_level not in ort.LEVELS:
             raise ConfigError(f"backend.log_level={self.log_level!r}: allowed: {', '.join(ort.LEVELS)}")
         storage.check_scheme(self.storage_path)  # a scheme it does not take: refused before Ray starts

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrate.backends.runner.collective import Workers
+from orchestrate.backends.runner.pipeline import Stages
 from orchestrate.backends.runner.relay import RELAY_STAGING, RelayedLogger
 from orchestrate.backends.runner.report import CHECKPOINT_FILE, Reporter
 from orchestrate.meter import Diverged
@@ -106,8 +107,14 @@ def rank_job(task: WorkerTask, rank: int, world: int):
     device = ray.train.torch.get_device() if cfg.backend.use_gpu else torch.device("cpu")
     # The worker's CPUs (backend.cpus_per_worker) are its CPU budget's cores: the engine's loop
     # sizes its threads and loader from them (orchestrate.cpu), in the driver's process too.
-    parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas,
-                       cores=cfg.backend.cpus_per_worker)
+    t = cfg.trainer
+    if t.pipeline_parallel_size > 1:  # one stage of the model on each worker (pipeline.py)
+        split = list(t.pipeline_split) if t.pipeline_split is not None else None
+        parallel = Stages(rank, world, device, t.pipeline_parallel_size, t.pipeline_schedule, split,
+                          cfg.backend.check_replicas, cores=cfg.backend.cpus_per_worker)
+    else:
+        parallel = Workers(rank, world, device, cfg.backend.average_every, cfg.backend.check_replicas,
+                           cores=cfg.backend.cpus_per_worker)
     job = Job.build(cfg, task.folder, parallel=parallel)
     engine = schema.build(OmegaConf.create(task.engine), "backend.engine")
     job.meter.name = f"{cfg.backend.name}/{engine.name}"
