@@ -10,13 +10,13 @@ STACK  ?= ort
 ifeq ($(STACK),ort)
 PYTHON ?= python3.11
 VENV   ?= $(ROOT).venv
-EXTRAS := test,ort,hf,server
+EXTRAS := test,ort,hf,server,lamb
 CONSTRAINTS := $(ROOT)constraints.txt
 READY  := $(VENV)/.ortmodule-extensions
 else ifeq ($(STACK),current)
 PYTHON ?= python3.12
 VENV   ?= $(ROOT).venv-current
-EXTRAS := test,hf,server,serve
+EXTRAS := test,hf,server,serve,lamb
 CONSTRAINTS := $(ROOT)constraints-current.txt
 READY  := $(VENV)/.installed
 else

@@ -6,6 +6,7 @@ Face model, `orchestrate server`) is refused with that line before anything is b
     pip install 'orchestrate[ort]'      # backend=ortmodule, backend=ondevice (Python 3.11 or 3.12)
     pip install 'orchestrate[hf]'       # model=hf_causal_lm, model=hf_classifier
     pip install 'orchestrate[server]'   # orchestrate server (MLflow on PostgreSQL)
+    pip install 'orchestrate[lamb]'     # optimizer=lamb
 
 Asked without importing anything: ORT's import alone takes seconds and prints.
 """
@@ -67,7 +68,8 @@ def _inference_only() -> bool:
 ORT = Extra("ort", "ORT's training build", "onnxruntime.training", below_python=(3, 13))
 HF = Extra("hf", "Hugging Face transformers", "transformers")
 SERVER = Extra("server", "PostgreSQL's driver for MLflow (psycopg2)", "psycopg2")
-EXTRAS = (ORT, HF, SERVER)
+LAMB = Extra("lamb", "pytorch-optimizer (its Lamb)", "pytorch_optimizer")
+EXTRAS = (ORT, HF, SERVER, LAMB)
 
 
 def for_module(name: str) -> Extra | None:

@@ -274,9 +274,29 @@ class Meter:
             self.tensorboard = None
 
     def _tensorboard(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._writer().add_scalar(k, v, step)
+
+    def _writer(self):
         if self.tensorboard is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(self.out_dir / "tensorboard"))
-        for k, v in metrics.items():
-            self.tensorboard.add_scalar(k, v, step)
+        return self.tensorboard
+
+    def histograms(self, named, step: int) -> None:
+        """TensorBoard's histogram and norm summaries (ORT's TrainingRunner writes them beside its
+        scalars): at a display step, with trainer.tensorboard=true, on the logging rank, each
+        parameter's weights and gradients as histograms (`weights/<name>`, `gradients/<name>`) and
+        their norms (`norms/...`). `named`: (name, parameter) pairs; an emptied one (another pipeline
+        stage's) is left out. A display step reads its numbers anyway; no other step calls this."""
+        if not (self.trainer.tensorboard and self.logging and self.tracker is not None):
+            return
+        writer = self._writer()
+        for name, p in named:
+            if p.numel() == 0:
+                continue
+            for kind, tensor in (("weights", p.detach()), ("gradients", p.grad)):
+                if tensor is not None:
+                    writer.add_histogram(f"{kind}/{name}", tensor.float(), step)
+                    writer.add_scalar(f"norms/{kind}/{name}", tensor.float().norm().item(), step)

@@ -195,7 +195,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(make_cfg, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     result = app.train(make_cfg("backend=torch", "trainer.tensorboard=true"), tmp_path / "out")
-    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
     in_mlflow = metric_steps(client_for(make_cfg().tracking.uri), result.run_id, "train/loss")
@@ -203,6 +203,11 @@ def test_tensorboard_event_files_hold_the_logged_scalars(make_cfg, tmp_path):
     assert [v for _, v in logged] == pytest.approx([v for _, v in in_mlflow], rel=1e-6)
     artifacts = client_for(make_cfg().tracking.uri).list_artifacts(result.run_id, "tensorboard")
     assert len(artifacts) == 1 and "tfevents" in artifacts[0].path
+    # The histogram and norm summaries, at the display steps alone: weights and gradients of every parameter.
+    params = [name for name, _ in schema.build(make_cfg().model, "model").named_parameters()]
+    assert sorted(events.Tags()["histograms"]) == sorted(f"{k}/{n}" for k in ("weights", "gradients") for n in params)
+    assert [e.step for e in events.Histograms(f"gradients/{params[0]}")] == [5, 10, 15, 20, 25, 30]
+    assert all(e.value > 0 for e in events.Scalars(f"norms/gradients/{params[0]}"))
 
 
 def test_a_diverged_run_goes_on_from_its_last_checkpoint_with_a_lower_learning_rate(make_cfg, tmp_path):

@@ -112,6 +112,7 @@ class TorchBackend(Backend):
             if display:
                 scaler.unscale_(optimizer)  # the norms of the true gradients (a no-op in fp32)
                 found = parallel.norms(norms(model, scaler if fp16 else None))
+                meter.histograms(plain.named_parameters(), step)  # trainer.tensorboard: weights' and gradients' histograms
                 meter.log(found, step)
                 if not fp16:  # in fp16 an overflowing gradient is the loss scaler's to skip
                     grad_norm = found.get("train/grad_norm")

@@ -89,3 +89,12 @@ def test_a_flag_on_the_device_holds_the_fused_optimizer_s_update(scaled, held):
     assert not hasattr(optimizer, "found_inf")  # handed over for this step only
     if scaled:
         assert scaler.get_scale() == (2.0 if held else 4.0)
+
+
+def test_lamb_trains_the_pytorch_loop(tmp_path):
+    """optimizer=lamb: pytorch-optimizer's Lamb (the `lamb` extra) built on the loop's parameters; the loss falls."""
+    job = fit_untracked(["backend=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=30", "optimizer=lamb",
+                         "optimizer.lr=0.01", "trainer.display_loss_steps=5", "trainer.evaluation_period=0",
+                         "trainer.checkpoint_period=0"], tmp_path)
+    losses = [v for _, v in job.meter.history["train/loss"]]
+    assert losses[-1] < 0.9 * losses[0]
