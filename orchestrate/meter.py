@@ -13,6 +13,7 @@ evaluation, and `stop_early` ends the loop at the step where the study's pruner 
 import bisect
 import math
 import os
+import resource
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -201,6 +202,9 @@ class Meter:
             self._timed_seconds += seconds
         self.log(metrics, step)
         self.final["train_loss"] = mean_loss
+        # The process's RSS high-water mark so far: at the last display step, training's peak (before
+        # the last step's evaluation, checkpoint and export), the runner's `perf/peak_rss_mb`.
+        self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
         if self.on_display is not None:
             self.on_display(step, metrics)

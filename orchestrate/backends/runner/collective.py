@@ -20,6 +20,10 @@ class Workers(Parallel):
         self.logging = rank == 0
         self.average_every, self.check_replicas = average_every, check_replicas
 
+    def timings(self) -> dict[str, float]:
+        """Figures of this worker's own, reported at the end (the pipeline's stages: their waits)."""
+        return {}
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -17,6 +17,7 @@ checkpoint and export steps, from the other stages' replica 0, and emptied again
 """
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -105,6 +106,7 @@ class Stages(Workers):
         self.others: dict[str, tuple[torch.Tensor, torch.Size]] = {}  # the other stages' tensors, emptied
         self.whole = False  # rank 0: the model assembled
         self._bad_grads = torch.zeros((), device=device)
+        self.steps_timed, self.seconds, self.waited = -1, 0.0, 0.0  # the schedule's time and its waits (the first step left out)
 
     # ---- the model --------------------------------------------------------------------------------
     def part(self, model: torch.nn.Module, sample: torch.Tensor) -> torch.nn.Module:
@@ -177,6 +179,7 @@ class Stages(Workers):
         is kept for `hold`."""
         inputs, outputs, sends = {}, {}, []
         loss_sum = torch.zeros((), device=self.device)
+        began, waited = time.perf_counter(), 0.0
         for kind, i in SCHEDULES[self.schedule](self.stage, self.stages, micro):
             if kind == "F":
                 x, y = batch(i)
@@ -185,7 +188,9 @@ class Stages(Workers):
                 else:
                     shape, dtype = self.shapes[self.stage - 1]
                     inp = torch.empty((len(y), *shape), dtype=dtype, device=self.device)
+                    waited -= time.perf_counter()
                     dist.recv(inp, self.before)
+                    waited += time.perf_counter()
                     inp.requires_grad_(inp.is_floating_point())
                 out = model(inp)
                 if self.last:
@@ -200,12 +205,20 @@ class Stages(Workers):
                     out.backward()
                 else:
                     grad = torch.empty_like(out)
+                    waited -= time.perf_counter()
                     dist.recv(grad, self.after)
+                    waited += time.perf_counter()
                     out.backward(grad)
                 if not self.first and inp.grad is not None:
                     sends.append(dist.isend(inp.grad, self.before))
+        waited -= time.perf_counter()
         for sent in sends:
             sent.wait()
+        waited += time.perf_counter()
+        self.steps_timed += 1
+        if self.steps_timed > 0:  # the first step's waits are the other stages' warm-up
+            self.seconds += time.perf_counter() - began
+            self.waited += waited
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if self.replicas > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -222,6 +235,11 @@ class Stages(Workers):
         dist.all_reduce(both)
         self._bad_grads = both[1]
         return both[0] / self.replicas
+
+    def timings(self) -> dict[str, float]:
+        """The share of this stage's schedule time spent waiting for the stages beside it (the
+        pipeline's bubble, plus what the network adds), over the steps after the first."""
+        return {"pipeline_idle_share": self.waited / self.seconds} if self.seconds else {}
 
     # ---- the meter's and the loop's hooks -----------------------------------------------------
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -182,6 +182,7 @@ def finish(job, reporter: Reporter, diverged: list | None, rank: int, in_driver:
     process, else in the last report's checkpoint."""
     import ray.train
 
+    log_worker_figures(job, rank)
     summary = job.meter.summary()
     refused = []  # the registry's refusals of the model rank 0 logged: the driver's run fails with them
     if rank == 0 and job.meter.tracker:
@@ -201,6 +202,30 @@ def finish(job, reporter: Reporter, diverged: list | None, rank: int, in_driver:
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report({"step": job.trainer.max_steps, "done": True}, checkpoint=checkpoint)
     return None
+
+
+def log_worker_figures(job, rank: int) -> None:
+    """At the end, on every rank (one gather): each worker's peak memory, its process's RSS
+    high-water mark while training (`perf/peak_rss_mb/rank_<r>`, and the largest as
+    `perf/peak_rss_mb`; `perf/peak_rss_end_mb` with the final evaluation and export), and on
+    pipeline stages each one's idle share (`perf/pipeline_idle_share/rank_<r>`, and their mean);
+    rank 0 logs them at the last step and keeps the two summaries in its final metrics."""
+    import resource
+
+    mine = {"peak_rss_mb": getattr(job.meter, "peak_rss_mb", 0.0),  # training's (Meter._display)
+            "peak_rss_end_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # with the final evaluation and export
+            **job.parallel.timings()}
+    everyone = [None] * job.parallel.world_size
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return
+    figures = {}
+    for key in mine:
+        values = [f[key] for f in everyone if key in f]
+        figures.update({f"perf/{key}/rank_{r}": v for r, v in enumerate(values)})
+        figures[f"perf/{key}"] = max(values) if key.startswith("peak_") else sum(values) / len(values)
+        job.meter.final[key] = figures[f"perf/{key}"]
+    job.meter.log(figures, job.meter.step)
 
 
 def log_to_file(path: Path) -> None:
