@@ -1,6 +1,6 @@
 """Pipeline stages against data parallelism on the same workers: per-worker peak memory, the
 pipeline's idle share against its schedule's theory, and throughput. Writes docs/pipeline.md's
-table (printed too) and docs/pipeline.png.
+table (printed too; between its markers) and docs/pipeline.png.
 
     python benchmarks/pipeline.py                    # the figures of docs/pipeline.md
     python benchmarks/pipeline.py --hidden 1024 --layers 4 --steps 6    # a quick look
@@ -34,6 +34,7 @@ from orchestrate import app
 from orchestrate.config import load_config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+TABLE_BEGIN, TABLE_END = "<!-- measured: benchmarks/pipeline.py writes this table -->", "<!-- /measured -->"
 
 
 def run(folder: Path, name: str, args, *overrides: str) -> dict[str, float]:
@@ -85,7 +86,11 @@ def main() -> None:
         lines.append(f"| {label} | {m} | {theory} | {shown} | {mem:,.0f} | {mem_ratio} | "
                      f"{got['perf/peak_rss_end_mb']:,.0f} | {speed:,.1f} | {speed_ratio} |")
     print("\n".join(lines))
-    (args.out / "pipeline-table.md").write_text("\n".join(lines) + "\n")
+    page = args.out / "pipeline.md"  # the table between its markers; the page's words are kept
+    if page.exists():
+        text = page.read_text()
+        begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN) + 1, text.index(TABLE_END)
+        page.write_text(text[:begin] + "\n".join(lines) + "\n" + text[end:])
     draw(rows, args.out / "pipeline.png")
 
 

@@ -36,17 +36,16 @@ class Parallel:
         """The model as the loop trains it (DDP across workers)."""
         return model
 
-    def assemble(self, optimizer=None) -> dict | None:
-        """Where the loop needs the whole model (evaluation, checkpoint, export): nothing to do
-        alone (the runner's stages bring it together on rank 0; with `optimizer`, returning the
-        whole model's optimizer state there)."""
-        return optimizer.state_dict() if optimizer is not None else None
+    def assemble(self, step: int, optimizer, trainer):
+        """At every step, before its evaluation and checkpoint: the whole model where they read it,
+        and what a checkpoint holds of the optimizer. Alone the model is whole: the optimizer itself
+        (the runner's stages bring the model together on rank 0 and return the whole model's
+        optimizer state there)."""
+        return optimizer
 
-    def hollow(self) -> None:
-        """After `assemble`: nothing to do alone (the stages empty the other stages' weights again)."""
-
-    def optimizer_part(self, state: dict) -> dict:
-        """The part of a checkpoint's optimizer state this process's optimizer holds: all of it."""
+    def own_part(self, state: dict) -> dict:
+        """A checkpoint's state as this process's optimizer takes it: all of it (a pipeline stage:
+        its part of the optimizer state)."""
         return state
 
     def norms(self, found: dict[str, float]) -> dict[str, float]:

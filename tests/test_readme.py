@@ -289,6 +289,13 @@ EXPECTED: dict[str, Expect] = {
         skip="joins a running cluster of 8 CPUs; tests/backends/test_runner_hosts.py runs an elastic run (1 to 2 "
              "workers) on test hosts, one lost under it and back; tests/backends/test_elastic.py (long tier) on a "
              "loopback cluster that grows and shrinks under it (scripts/elastic.py)"),
+    # ---- the runner's pipeline stages (docs/runner.md): 4 workers need more CPUs than the suite's machine lends
+    "python -m orchestrate backend=runner backend.engine=torch trainer.num_workers=4 trainer.pipeline_parallel_size=2 "
+    "trainer.gradient_accumulation_steps=4 trainer.batch_size=16 trainer.pipeline_schedule=1f1b": Expect(
+        separate="tests/backends/test_pipeline.py::test_two_stages_and_two_by_two_equal_one_process_at_every_step"),
+    "python -m orchestrate backend=runner backend.engine=torch trainer.num_workers=2 trainer.pipeline_parallel_size=2 "
+    "model=char_transformer data=python_source trainer.pipeline_split=[blocks.1]": Expect(
+        separate="tests/backends/test_pipeline.py::test_the_char_transformer_in_two_stages_equals_one_process"),
     # ---- the runner on a Slurm allocation: docs/runner.md's sbatch script, submitted to a Slurm cluster
     **{command: Expect(separate="tests/launch/test_slurm.py::test_the_runner_on_a_slurm_allocation") for command in (
         "source .venv/bin/activate",

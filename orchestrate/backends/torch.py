@@ -75,9 +75,7 @@ class TorchBackend(Backend):
         # (A disabled autocast still costs ~5 us a step: a small model's step is ~1 ms.)
         half = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}.get(t.precision)
         autocast = torch.autocast(device_type=device.type, dtype=half) if half else contextlib.nullcontext()
-        if state is not None:
-            state = {**state, "optimizer": parallel.optimizer_part(state["optimizer"])}
-        done = checkpoints.restore_torch(state, optimizer, scheduler, scaler, job) if state is not None else 0
+        done = checkpoints.restore_torch(parallel.own_part(state), optimizer, scheduler, scaler, job) if state is not None else 0
         model.train()
 
         def export(path: Path) -> None:  # the model as ONNX for inference: at checkpoints and at the end
@@ -93,7 +91,6 @@ class TorchBackend(Backend):
         grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731 - the runner's guard reads them
         for step in meter.steps(start=done + 1):
             self.seed_step(step, job)
-            parallel.hollow()  # pipeline stages: the model assembled for the last step's reads is emptied again
             if parallel.stages > 1:  # the step's micro-batches through the stages, in the schedule's order
                 loss_sum = parallel.run(model, lambda micro: batches.get(step, micro),  # noqa: B023
                                         lambda out, y: loss_fn(out, y) * weight, K)
@@ -124,9 +121,7 @@ class TorchBackend(Backend):
                 scheduler.step()
             if display:
                 meter.log(parallel.replica_metrics(model.parameters()), step)
-            saved = optimizer  # what the checkpoint holds of the optimizer
-            if parallel.stages > 1 and (t.due(step, t.evaluation_period) or t.due(step, t.checkpoint_period)):
-                saved = parallel.assemble(optimizer if t.due(step, t.checkpoint_period) else None)  # the whole model on rank 0
+            saved = parallel.assemble(step, optimizer, t)  # the whole model where read; the optimizer a checkpoint holds
             meter.evaluate(step, lambda: evaluate(plain, job))
             job.checkpoints.save(step, lambda path: checkpoints.save_torch(path, step, plain, saved, scheduler,  # noqa: B023
                                                                           job, scaler=scaler), suffix=".pt", export=export)

@@ -134,10 +134,15 @@ class Stages(Workers):
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         self.whole = False
 
-    def assemble(self, optimizer: torch.optim.Optimizer | None = None) -> dict | None:
-        """On every rank at the same steps: the whole model's weights on rank 0 (each stage's
-        replica 0 sends its own); with `optimizer`, also the whole model's optimizer state, which
-        rank 0 returns (the one-process checkpoint's, keyed by the model's parameter order)."""
+    def assemble(self, step: int, optimizer: torch.optim.Optimizer, trainer) -> dict | None:
+        """At evaluation and checkpoint steps (every rank alike): the whole model's weights on rank
+        0 (each stage's replica 0 sends its own), and at a checkpoint step the whole model's
+        optimizer state, which rank 0 returns (numbered as the one-process run numbers it)."""
+        if not (trainer.due(step, trainer.evaluation_period) or trainer.due(step, trainer.checkpoint_period)):
+            return None
+        return self._assemble(optimizer if trainer.due(step, trainer.checkpoint_period) else None)
+
+    def _assemble(self, optimizer: torch.optim.Optimizer | None) -> dict | None:
         senders = [s * self.replicas for s in range(1, self.stages)]
         if self.rank == 0:
             for s, source in enumerate(senders, start=1):
@@ -167,9 +172,9 @@ class Stages(Workers):
             states.append(got[0])
         return merge_states(states, self.indices)
 
-    def optimizer_part(self, state: dict) -> dict:
-        """This stage's part of a whole model's optimizer state (a checkpoint's)."""
-        return split_state(state, self.indices[self.stage])
+    def own_part(self, state: dict) -> dict:
+        """A checkpoint (the whole model's) with this stage's part of its optimizer state."""
+        return {**state, "optimizer": split_state(state["optimizer"], self.indices[self.stage])}
 
     # ---- a step -------------------------------------------------------------------------------
     def run(self, model: torch.nn.Module, batch: Callable[[int], tuple], loss_of: Callable, micro: int) -> torch.Tensor:
@@ -177,6 +182,8 @@ class Stages(Workers):
         schedule's order; then the stage's gradients averaged over its replicas. Returns the step's
         loss (the mean over the global batch) on every rank; a nan or inf in any stage's gradients
         is kept for `hold`."""
+        if self.whole:  # assembled for the last step's evaluation or checkpoint: this stage's alone again
+            self.hollow()
         inputs, outputs, sends = {}, {}, []
         loss_sum = torch.zeros((), device=self.device)
         began, waited = time.perf_counter(), 0.0
