@@ -194,3 +194,33 @@ def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_
     assert [s for s, _ in history] == list(range(10, 301, 10))  # every display step once, across the kill
     assert history[-1][1] < history[0][1] * 0.8
     assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
+
+
+def test_pipeline_stages_on_two_hosts_train_as_one_process_does(hosts, s3_on_hosts, project):
+    """The user's model cut in 2 stages, one on each of the other hosts: activations go forward and
+    their gradients back over the hosts' network, checkpoints (every stage's part, one step) to S3.
+    The loss at every step equals a one-process run's of the same global batch on the driver's host;
+    the run's checkpoints and model are the whole model's."""
+    client = MlflowClient(f"sqlite:///{project}/mlflow.db")
+    steps = ["trainer.max_steps=30", "trainer.display_loss_steps=1", "trainer.checkpoint_period=15",
+             "trainer.evaluation_period=15"]
+    done, _ = runner(hosts, project, *steps, "trainer.pipeline_parallel_size=2", "trainer.gradient_accumulation_steps=2",
+                     "trainer.batch_size=32", "backend.storage_path=s3://checkpoints/stages", "tracking.experiment=stages",
+                     env=s3_on_hosts)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reference = hosts.head.run([sys.executable, "-m", "orchestrate", "--config-dir", "conf", "model=usernet",
+                                "backend=torch", "trainer.batch_size=64", "trainer.progress=false", *steps,
+                                "tracking.experiment=reference"], timeout=300, cwd=project, capture_output=True,
+                               text=True, env={**os.environ, **hosts.env})
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    (run,) = client.search_runs([client.get_experiment_by_name("stages").experiment_id])
+    (one,) = client.search_runs([client.get_experiment_by_name("reference").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert {run.data.tags[f"worker.{r}"].split()[1] for r in (0, 1)} == {h.address for h in hosts.hosts[1:]}
+    got, expected = metric_steps(client, run.info.run_id, "train/loss"), metric_steps(client, one.info.run_id, "train/loss")
+    assert [s for s, _ in got] == list(range(1, 31))
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-5)
+    assert got[-1][1] < got[0][1]
+    names = sorted(Path(a.path).name for a in client.list_artifacts(run.info.run_id, "checkpoints"))
+    assert names == ["step_0000015.pt", "step_0000030.pt"]
+    assert client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")
