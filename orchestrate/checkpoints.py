@@ -186,6 +186,7 @@ def save_torch(path: Path, step: int, model: torch.nn.Module, optimizer, schedul
             "scheduler": scheduler.state_dict() if scheduler else None,
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "rng": rng_state(),
+            **job.parallel.checkpoint_extra(),  # pipeline stages: each stage's RNG state
         }, f)
 
 

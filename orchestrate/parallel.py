@@ -43,6 +43,10 @@ class Parallel:
         optimizer state there)."""
         return optimizer
 
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint holds beyond the model, optimizer, schedule and this process's RNG: nothing alone."""
+        return {}
+
     def own_part(self, state: dict) -> dict:
         """A checkpoint's state as this process's optimizer takes it: all of it (a pipeline stage:
         its part of the optimizer state)."""

@@ -106,12 +106,13 @@ class SlowData(Synthetic):
         return super().train_batch(position, batch_size, seed, rank, world_size)
 
 
-def served_twice(marker: Path) -> list[int]:
+def served_twice(marker: Path, readers: int = 1) -> list[int]:
     """The batches KillingData served twice: those between the checkpoint a killed run went on
     from and the kill (a run that started over would serve every earlier one twice too). Batch 0
-    is left out: building a job also reads it, to check the data against the model."""
+    is left out: building a job also reads it, to check the data against the model. `readers`:
+    the ranks that read each batch (pipeline stages: every stage of a replica)."""
     served = [int(p) for p in Path(f"{marker}.served").read_text().split()]
-    return sorted({p for p in served if p and served.count(p) == 2})
+    return sorted({p for p in served if p and served.count(p) == 2 * readers})
 
 
 class DropoutMLP(MLP):

@@ -96,7 +96,8 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("compile", marks=pytest.mark.slow),
                                      pytest.param("ortmodule", marks=pytest.mark.slow),
                                      pytest.param("ondevice", marks=pytest.mark.slow), pytest.param(
-    "runner", marks=long("tests/test_signals.py::test_a_signal_kills_the_run_and_resume_finishes_it[runner-SIGTERM]"))])
+    "runner", marks=long("tests/test_signals.py::test_a_signal_kills_the_run_and_resume_finishes_it[runner-SIGTERM]")),
+    pytest.param("stages", marks=pytest.mark.slow)])
 def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd, request):
     """A run is killed with SIGKILL in step 27, after checkpoints at 10 and 20 (its data set kills
     the process: an on-device model runs inside ORT); the same command with trainer.resume=auto
@@ -109,6 +110,10 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
                  "trainer.display_loss_steps=1", "trainer.evaluation_period=0", "trainer.lr_schedule=linear",
                  "trainer.warmup_steps=25", "model._target_=tests.helpers.DropoutMLP", "model.hidden=[32]",
                  "data._target_=tests.helpers.KillingData", "+data.kill_at=26", f"+data.marker={marker}"]
+    readers = 2 if backend == "stages" else 1  # each stage reads every batch (the first its inputs, the last its targets)
+    if backend == "stages":  # the runner with the model cut in 2 stages, the dropout in the second: each stage its own RNG
+        backend, overrides = "runner", [*overrides, "trainer.pipeline_parallel_size=2", "model.hidden=[32,32]"]
+        overrides[0] = "backend=runner"
     if backend == "runner":
         overrides += ["backend.engine=torch", "backend.max_failures=0", "trainer.num_workers=2", "trainer.batch_size=16"]
         request.getfixturevalue("ray_shared")  # the runs in this process; the killed command starts its own
@@ -129,7 +134,7 @@ def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg
     printed = capfd.readouterr().out
     assert f"resuming MLflow run {resumed.run_id} after step 20" in printed
     assert f"backend {backend}: steps 21 to 40 (20 in this process, resumed) in " in printed  # not "40 steps"
-    assert served_twice(marker) == list(range(20, 26))  # steps 21-26 ran again, none before
+    assert served_twice(marker, readers) == list(range(20, 26))  # steps 21-26 ran again, none before
 
     client = client_for(uri)
     runs = client.search_runs([client.get_experiment_by_name("orchestrate").experiment_id])

@@ -105,6 +105,7 @@ class Stages(Workers):
         self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []  # what crosses each cut, per sample
         self.others: dict[str, tuple[torch.Tensor, torch.Size]] = {}  # the other stages' tensors, emptied
         self.whole = False  # rank 0: the model assembled
+        self.rngs: list[dict] = []  # rank 0, at a checkpoint step: every stage's RNG state
         self._bad_grads = torch.zeros((), device=device)
         self.steps_timed, self.seconds, self.waited = -1, 0.0, 0.0  # the schedule's time and its waits (the first step left out)
 
@@ -160,21 +161,32 @@ class Stages(Workers):
         return self._optimizer_state(optimizer, senders)
 
     def _optimizer_state(self, optimizer: torch.optim.Optimizer, senders: list[int]) -> dict | None:
-        mine = optimizer.state_dict()
+        """The stages' optimizer states as the whole model's, on rank 0; each stage's RNG state
+        beside them (`checkpoint_extra`): a stage's dropout draws its own numbers."""
+        from orchestrate.checkpoints import rng_state
+
+        mine = [optimizer.state_dict(), rng_state()]
         if self.rank in senders:
-            dist.send_object_list([mine], 0)
+            dist.send_object_list(mine, 0)
         if self.rank != 0:
             return None
         states = [mine]
         for source in senders:
-            got = [None]
+            got = [None, None]
             dist.recv_object_list(got, source)
-            states.append(got[0])
-        return merge_states(states, self.indices)
+            states.append(got)
+        self.rngs = [rng for _, rng in states]
+        return merge_states([state for state, _ in states], self.indices)
+
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint holds beyond the one-process run's: every stage's RNG state."""
+        return {"rng_stages": self.rngs}
 
     def own_part(self, state: dict) -> dict:
-        """A checkpoint (the whole model's) with this stage's part of its optimizer state."""
-        return {**state, "optimizer": split_state(state["optimizer"], self.indices[self.stage])}
+        """A checkpoint (the whole model's) with this stage's part of its optimizer state and this
+        stage's RNG state (one written without stages: rank 0's, as every data-parallel rank's)."""
+        rng = state["rng_stages"][self.stage] if "rng_stages" in state else state["rng"]
+        return {**state, "optimizer": split_state(state["optimizer"], self.indices[self.stage]), "rng": rng}
 
     # ---- a step -------------------------------------------------------------------------------
     def run(self, model: torch.nn.Module, batch: Callable[[int], tuple], loss_of: Callable, micro: int) -> torch.Tensor:
