@@ -17,7 +17,7 @@ from orchestrate.__main__ import main
 from orchestrate.backends.runner import pipeline, stages
 from orchestrate.config import load_config
 from orchestrate.tasks.models import MLP, CharTransformer
-from tests.conftest import client_for, metric_steps
+from tests.conftest import client_for, long, metric_steps
 
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
           "trainer.evaluation_period=6", "trainer.checkpoint_period=6", "trainer.display_loss_steps=1",
@@ -225,7 +225,11 @@ def test_two_stages_and_two_by_two_equal_one_process_at_every_step(tmp_path, loc
         assert (run.out_dir / "model.onnx").exists()  # the whole model, exported
 
 
+EQUALITY = "tests/backends/test_pipeline.py::test_two_stages_and_two_by_two_equal_one_process_at_every_step"
+
+
 @pytest.mark.slow
+@long(stands_for=EQUALITY)
 def test_the_char_transformer_in_two_stages_equals_one_process(tmp_path, local_ray):
     lm = ["model=char_transformer", "data=python_source", "model.n_layer=2", "model.n_embd=32", "trainer.max_steps=6",
           "trainer.evaluation_period=0", "trainer.checkpoint_period=0"]
@@ -238,6 +242,8 @@ def test_the_char_transformer_in_two_stages_equals_one_process(tmp_path, local_r
 
 
 @pytest.mark.slow
+@long(stands_for="tests/test_app.py::test_resume_auto_continues_the_same_run_to_the_same_result[stages] (the same "
+                 "checkpoint, read back by every stage)")
 def test_a_killed_stage_restarts_the_group_from_the_checkpoint_to_the_same_losses(tmp_path, local_ray):
     """SIGKILL in a stage's worker at step 9 (backend.max_failures=1): both stages restart from the
     step-6 checkpoint (the whole model's, every stage's part of one step); MLflow holds every step
@@ -259,3 +265,18 @@ def test_a_killed_stage_restarts_the_group_from_the_checkpoint_to_the_same_losse
     assert [s for s, _ in got] == list(range(1, 13))
     assert [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-6)
     assert client_for(f"sqlite:///{tmp_path}/mlflow.db").get_run(killed.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+@long(stands_for=EQUALITY)
+@pytest.mark.parametrize("engine,atol", [("compile", 1e-5), pytest.param("ortmodule", 1e-4, marks=pytest.mark.ort)])
+def test_the_compile_and_ortmodule_engines_train_stages_as_one_process(engine, atol, tmp_path, local_ray):
+    """Each stage under torch.compile, or wrapped by ORTModule (its input's gradient flows back to
+    the stage before): the loss at every step is the one-process torch run's (ORT's kernels sum
+    differently: 1e-4)."""
+    one = train(tmp_path, "one", *MLP_4, "trainer.num_workers=1", "trainer.batch_size=64", "trainer.max_steps=8")
+    p2 = train(tmp_path, "p2", *MLP_4, f"backend.engine={engine}", "trainer.num_workers=2", "trainer.max_steps=8",
+               "trainer.pipeline_parallel_size=2", "trainer.batch_size=32", "trainer.gradient_accumulation_steps=2")
+    reference, pipelined = curves(tmp_path, one, p2)
+    assert len(pipelined) == 8
+    assert [v for _, v in pipelined] == pytest.approx([v for _, v in reference], abs=atol)
