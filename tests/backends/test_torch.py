@@ -98,3 +98,15 @@ def test_lamb_trains_the_pytorch_loop(tmp_path):
                          "trainer.checkpoint_period=0"], tmp_path)
     losses = [v for _, v in job.meter.history["train/loss"]]
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_tensorboard_histograms_read_nothing_between_display_steps(make_cfg, tmp_path, reads_by_step):
+    """trainer.tensorboard=true on a tracked run: the weights' and gradients' histograms and norms are
+    read at the display steps (4, 8, 12, 16) alone; steps 5-7, 9-11 and 13-15 read nothing."""
+    from orchestrate import app
+
+    app.train(make_cfg("backend=torch", "trainer.max_steps=16", "trainer.display_loss_steps=4", "trainer.tensorboard=true",
+                       "trainer.evaluation_period=0", "trainer.checkpoint_period=0"), tmp_path / "out")
+    between = {step: names for step, names in reads_by_step.items() if step > 4 and step not in (8, 12, 16)}
+    assert between == {}, f"reads between display steps (step: calls): {between}"
+    assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
