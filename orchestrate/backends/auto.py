@@ -254,15 +254,15 @@ class Aside(Parallel):
 
 def probe_config(cfg: DictConfig, node: DictConfig, warmup_steps: int, probe_steps: int) -> DictConfig:
     """The run's config with `node` as its backend, as a probe trains it: one process, one batch
-    a step, `warmup_steps + probe_steps` steps, the warm-up as the first display window (the meter
-    leaves that one out of its timing), no progress bar. The rate stays at its base value: the
+    a step (the whole model, no pipeline stages), `warmup_steps + probe_steps` steps, the warm-up as
+    the first display window (the meter leaves that one out of its timing), no progress bar. The rate stays at its base value: the
     run's schedule is laid out over the run's own steps, and its warm-up (a rate near 0) would leave
     a short probe's losses equal whatever each backend's update did."""
     probe = copy.deepcopy(cfg)
     probe.backend = node
     t = probe.trainer
     t.max_steps, t.display_loss_steps = warmup_steps + probe_steps, warmup_steps
-    t.num_workers, t.min_workers, t.gradient_accumulation_steps = 1, None, 1
+    t.num_workers, t.min_workers, t.gradient_accumulation_steps, t.pipeline_parallel_size = 1, None, 1, 1
     t.lr_schedule, t.warmup_steps = "constant", 0
     t.progress, t.tensorboard, t.resume = False, False, None
     return probe

@@ -177,6 +177,18 @@ def test_bad_pipeline_input(overrides, message, tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_engine_auto_with_stages_chooses_among_the_engines_that_train_a_stage(make_cfg):
+    from orchestrate.job import Job
+
+    job = Job.prepare(make_cfg("backend=runner", "backend.engine=auto", "trainer.num_workers=2",
+                               "trainer.pipeline_parallel_size=2", "backend.cpus_per_worker=0.5"))
+    runner = job.backend
+    with_stages, without = (set(runner.engine_candidates(runner.engine_backend(), s)) for s in (True, False))
+    assert "torch" in with_stages and "compile" in with_stages
+    assert with_stages <= without and all(getattr(schema.build(runner.sized(node), "x"), "stages", False)
+                                          for node in runner.engine_candidates(runner.engine_backend(), True).values())
+
+
 # ---- runs: the same losses as one process --------------------------------------------------------
 @pytest.fixture(scope="module")
 def local_ray(ray_shared):

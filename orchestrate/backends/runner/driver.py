@@ -162,10 +162,12 @@ class RunnerBackend(Backend):
             self._engine = schema.build(self.engine_node(), "backend.engine")
         return self._engine
 
-    def engine_candidates(self, auto) -> dict[str, DictConfig]:
+    def engine_candidates(self, auto, stages: bool = False) -> dict[str, DictConfig]:
         """backend.engine=auto: the engines it may choose (those that run on the workers; with
         backend.average_every, those that average parameters), each sized as a worker runs it."""
         flags = ("data_parallel", "averaging") if self.average_every else ("data_parallel",)
+        if stages:  # with pipeline stages (trainer.pipeline_parallel_size), the engines that train a stage
+            flags = (*flags, "stages")
         return {name: self.sized(node) for name, node in auto.found(*flags).items()}
 
     def check_precision(self, job) -> None:
@@ -197,7 +199,8 @@ class RunnerBackend(Backend):
                 raise ConfigError(f"trainer.resume={t.resume}: backend.engine={self.engine} cannot continue a run (its "
                                   "probes may choose another engine than the run's); name the engine the run used (its "
                                   f"`engine` tag), one of: {', '.join(engines('resumable'))}")
-            engine.check_candidates(job, self.engine_candidates(engine), f"backend.engine={self.engine}",
+            candidates = self.engine_candidates(engine, t.pipeline_parallel_size > 1)
+            engine.check_candidates(job, candidates, f"backend.engine={self.engine}",
                                     cores=self.cpus_per_worker)  # each probed on one worker's CPUs
         elif not engine.data_parallel:
             raise ConfigError(f"backend.engine={self.engine}: {type(engine).__name__} cannot run on the runner's "
@@ -319,7 +322,8 @@ class RunnerBackend(Backend):
         if engine.chooses:
             # backend.engine=auto: each engine is probed here, in one process, before any worker
             # starts; the run then goes on as if the chosen engine had been named.
-            chosen = engine.choose(job, self.engine_candidates(engine), f"backend.engine={self.engine}", tag="engine",
+            candidates = self.engine_candidates(engine, job.trainer.pipeline_parallel_size > 1)
+            chosen = engine.choose(job, candidates, f"backend.engine={self.engine}", tag="engine",
                                    cores=self.cpus_per_worker)
             job.backend = dataclasses.replace(self, engine=chosen)
             job.backend.fit(job)

@@ -70,7 +70,7 @@ def check(job, engine) -> None:
     if t.elastic:
         raise ConfigError(f"trainer.min_workers={t.min_workers} with trainer.pipeline_parallel_size={P}: an elastic "
                           "run changes its worker count, and every stage needs its worker; drop ~trainer.min_workers")
-    if not getattr(engine, "stages", False):
+    if not getattr(engine, "stages", False) and not engine.chooses:  # auto: its candidates train stages
         from orchestrate.backends.base import backends
 
         raise ConfigError(f"backend.engine={engine.name} with trainer.pipeline_parallel_size={P}: its loop cannot run "
