@@ -97,7 +97,8 @@ def test_ondevice_losses(target, loss, make_cfg, tmp_path):
                                      pytest.param("ortmodule", marks=pytest.mark.slow),
                                      pytest.param("ondevice", marks=pytest.mark.slow), pytest.param(
     "runner", marks=long("tests/test_signals.py::test_a_signal_kills_the_run_and_resume_finishes_it[runner-SIGTERM]")),
-    pytest.param("stages", marks=pytest.mark.slow)])
+    pytest.param("stages", marks=long("tests/backends/test_pipeline.py::test_a_killed_stage_restarts_the_group_from_"
+                                      "the_checkpoint_to_the_same_losses (the same checkpoint, each stage's RNG)"))])
 def test_resume_auto_continues_the_same_run_to_the_same_result(backend, make_cfg, tmp_path, capfd, request):
     """A run is killed with SIGKILL in step 27, after checkpoints at 10 and 20 (its data set kills
     the process: an on-device model runs inside ORT); the same command with trainer.resume=auto

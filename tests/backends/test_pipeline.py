@@ -254,16 +254,16 @@ def test_the_char_transformer_in_two_stages_equals_one_process(tmp_path, local_r
 
 
 @pytest.mark.slow
-@long(stands_for="tests/test_app.py::test_resume_auto_continues_the_same_run_to_the_same_result[stages] (the same "
-                 "checkpoint, read back by every stage)")
 def test_a_killed_stage_restarts_the_group_from_the_checkpoint_to_the_same_losses(tmp_path, local_ray):
     """SIGKILL in a stage's worker at step 9 (backend.max_failures=1): both stages restart from the
-    step-6 checkpoint (the whole model's, every stage's part of one step); MLflow holds every step
-    once, equal to an uninterrupted run's."""
+    step-6 checkpoint (the whole model's, every stage's part of one step, and each stage's RNG: the
+    second stage's dropout draws its own masks); MLflow holds every step once, equal to an
+    uninterrupted run's."""
     marker = tmp_path / "kill_while_this_exists"
     marker.touch()
-    overrides = [*MLP_4, "backend.max_failures=1", "trainer.num_workers=2", "trainer.pipeline_parallel_size=2",
-                 "trainer.batch_size=16", "trainer.gradient_accumulation_steps=2", "data._target_=tests.helpers.KillingData",
+    overrides = ["model._target_=tests.helpers.DropoutMLP", "model.hidden=[32,32]", "backend.max_failures=1",
+                 "trainer.num_workers=2", "trainer.pipeline_parallel_size=2", "trainer.batch_size=16",
+                 "trainer.gradient_accumulation_steps=2", "data._target_=tests.helpers.KillingData",
                  "+data.kill_at=16", "+data.rank=0"]
     killed = train(tmp_path, "killed", *overrides, f"+data.marker={marker}")
     assert not marker.exists(), "the worker was never killed"
