@@ -301,6 +301,17 @@ def exit_code(monkeypatch, *argv: str) -> int:
     return exit_.value.code
 
 
+def refused_in_one_line(monkeypatch, capsys, folder: Path, *argv: str) -> str:
+    """`python -m orchestrate ARGV` run in this process from `folder` as bad input is refused: exit
+    2, one line on stderr (returned), nothing written to `folder`."""
+    monkeypatch.chdir(folder)
+    assert exit_code(monkeypatch, *argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert list(folder.iterdir()) == []
+    return err
+
+
 def command_exit(main, argv: list[str]) -> int:
     """A command's `main(argv)` (orchestrate.commands) as `orchestrate` runs it: its exit code,
     returned, or raised by the boundary."""

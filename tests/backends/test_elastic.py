@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from orchestrate.__main__ import main
 from orchestrate.backends.runner.collective import Workers
 from orchestrate.config import load_config
 from orchestrate.job import Job
 from tests.conftest import ROOT, here, long
+from tests.helpers import refused_in_one_line
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -31,14 +31,7 @@ from tests.conftest import ROOT, here, long
      "trainer.min_workers=40 x backend.cpus_per_worker=1 asks for 40 CPUs"),
 ])
 def test_bad_elastic_input(overrides, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["orchestrate", *here(["data=synthetic", "trainer=quick", *overrides])])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []
+    assert message in refused_in_one_line(monkeypatch, capsys, tmp_path, "data=synthetic", "trainer=quick", *overrides)
 
 
 def step_gradients(tmp_path, world: int, step: int) -> tuple[list[torch.Tensor], float, list[int]]:

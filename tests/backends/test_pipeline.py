@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from orchestrate import app, checkpoints, schema
-from orchestrate.__main__ import main
 from orchestrate.backends.runner import pipeline, stages
 from orchestrate.config import load_config
 from orchestrate.tasks.models import MLP, CharTransformer
 from tests.conftest import client_for, long, metric_steps
+from tests.helpers import refused_in_one_line
 
 COMMON = ["backend=runner", "backend.engine=torch", "data=synthetic", "trainer=quick", "trainer.max_steps=12",
           "trainer.evaluation_period=6", "trainer.checkpoint_period=6", "trainer.display_loss_steps=1",
@@ -167,14 +167,7 @@ RUNNER = ["backend=runner", "backend.engine=torch", "data=synthetic"]
                  marks=pytest.mark.ort),
 ])
 def test_bad_pipeline_input(overrides, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["orchestrate", *overrides])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []
+    assert message in refused_in_one_line(monkeypatch, capsys, tmp_path, *overrides)
 
 
 def test_engine_auto_with_stages_chooses_among_the_engines_that_train_a_stage(make_cfg):
