@@ -203,7 +203,8 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     return checkpoints.load_torch(path)["model"]
 
 
-@pytest.mark.slow  # 3 runs, about 50 s
+@pytest.mark.slow  # 3 runs, about 30 s
+@pytest.mark.ort  # the exported models read back by ONNX Runtime
 def test_two_stages_and_two_by_two_equal_one_process_at_every_step(tmp_path, local_ray):
     """MLP, AdamW: one worker with batch 64 against 2 stages x 4 micro-batches of 16 (GPipe) and
     2 stages x 2 replicas x 2 micro-batches of 16 (1F1B): the loss at every step, the evaluations and
@@ -227,7 +228,17 @@ def test_two_stages_and_two_by_two_equal_one_process_at_every_step(tmp_path, loc
         assert whole.keys() == ours.keys()
         for name in whole:
             torch.testing.assert_close(ours[name], whole[name], atol=1e-5, rtol=0, msg=name)
-        assert (run.out_dir / "model.onnx").exists()  # the whole model, exported
+        assert answers(run.out_dir / "model.onnx") == pytest.approx(answers(one.out_dir / "model.onnx"), abs=1e-5)
+
+
+def answers(path) -> list[float]:
+    """The exported model's logits for a fixed input, through ONNX Runtime: the whole model, servable."""
+    import numpy as np
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    return session.run(None, {"input": x})[0].ravel().tolist()
 
 
 EQUALITY = "tests/backends/test_pipeline.py::test_two_stages_and_two_by_two_equal_one_process_at_every_step"
