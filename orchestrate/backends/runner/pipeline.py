@@ -117,11 +117,15 @@ class Stages(Workers):
         from orchestrate.backends.runner.stages import cut
 
         self.parts = cut(model, self.stages, self.split)
-        with torch.no_grad():
+        # In eval mode, on a forked RNG: the probe updates no BatchNorm statistics and draws no dropout.
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             x = sample.to(self.device)
             for p in self.parts[:-1]:
                 x = p(x)
                 self.shapes.append((tuple(x.shape[1:]), x.dtype))
+        model.train(was_training)
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self.indices = [[order[name] for name, _ in p.named_parameters()] for p in self.parts]
         mine = {id(t) for t in self.parts[self.stage].state_dict(keep_vars=True).values()}
