@@ -77,6 +77,7 @@ class Meter:
         self.final: dict[str, float] = {}
         self.logged_steps: dict[str, set[int]] = {}  # a resumed run: the steps MLflow holds, per metric
         self.tensorboard = None  # trainer.tensorboard: a SummaryWriter, opened at the first metric
+        self.peak_rss_mb = 0.0  # the process's RSS high-water mark at the last display step (`_display`)
         self._timed_steps, self._timed_seconds = 0, 0.0
         # What the device has not told yet (`record` with on_device=True): each step's loss and
         # whether its update was held, as tensors, read in one go at the next reading step.
@@ -202,8 +203,8 @@ class Meter:
             self._timed_seconds += seconds
         self.log(metrics, step)
         self.final["train_loss"] = mean_loss
-        # The process's RSS high-water mark so far: at the last display step, training's peak (before
-        # the last step's evaluation, checkpoint and export), the runner's `perf/peak_rss_mb`.
+        # At the last display step: training's peak (before the last step's evaluation, checkpoint
+        # and export), the runner's `perf/peak_rss_mb`.
         self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
         if self.on_display is not None:

@@ -17,7 +17,6 @@ class Parallel:
 
     rank = 0
     world_size = 1
-    replica, replicas = 0, 1  # which data-parallel replica this rank is of how many (the runner: rank, world size)
     stages = 1  # pipeline stages the model is cut into (the runner's `Stages`: trainer.pipeline_parallel_size)
     device: torch.device | None = None  # None: trainer.device
     logging = True  # this process logs, evaluates and checkpoints (rank 0)
@@ -27,9 +26,19 @@ class Parallel:
     # it measures them itself, once (Job.busy_cores). backend=auto's probes share the run's.
     busy: Callable[[], float] | None = None
 
-    def part(self, model: torch.nn.Module, sample: torch.Tensor) -> torch.nn.Module:
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the model (of each pipeline stage): the ranks over the stages."""
+        return self.world_size // self.stages
+
+    @property
+    def replica(self) -> int:
+        """Which replica this rank is (rank r: stage r // replicas of replica r % replicas)."""
+        return self.rank % self.replicas
+
+    def part(self, model: torch.nn.Module, sample: Callable[[], torch.Tensor]) -> torch.nn.Module:
         """The part of `model` this process trains: all of it (a pipeline stage on the runner's
-        stages, `sample` one micro-batch's input, which sizes what crosses between them)."""
+        stages; `sample()`, an input batch, sizes what crosses between them)."""
         return model
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

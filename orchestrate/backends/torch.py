@@ -61,7 +61,7 @@ class TorchBackend(Backend):
             job.model.load_state_dict(state["model"])  # before wrapping: ORTModule exports these weights
         plain = job.model.to(device)  # keep the unwrapped module: checkpoints and export use it
         # The part this rank trains: the whole model, or on the runner's pipeline its stage.
-        model = parallel.wrap(self.wrap(parallel.part(plain, job.train_batch(1)[0]), job))
+        model = parallel.wrap(self.wrap(parallel.part(plain, job.data.sample_input), job))
         optimizer = self.make_optimizer(model, job)
         scheduler = make_scheduler(optimizer, t)
         loss_fn = losses.get(job.data.loss).torch

@@ -41,6 +41,13 @@ def test_the_stages_in_turn_compute_the_models_forward_and_share_its_parameters(
     assert all(ours[name] is p for name, p in model.named_parameters())  # the model's own tensors
 
 
+def test_the_balanced_cut_of_a_deep_model_is_found_without_trying_every_combination():
+    """400 places and 8 stages (C(400, 7) combinations): the linear partition gives 8 stages of 25
+    equal layers each."""
+    parts = stages.cut(MLP(8, 8, [8] * 199), 8)
+    assert [sum(p.numel() for p in part.parameters()) for part in parts] == [25 * (8 * 8 + 8)] * 8
+
+
 def test_the_char_transformer_is_cut_between_its_blocks_balanced_by_parameters():
     model = CharTransformer(96, 16, n_layer=4, n_embd=32)
     cuts = stages.trace(model)
@@ -273,7 +280,7 @@ def test_a_killed_stage_restarts_the_group_from_the_checkpoint_to_the_same_losse
     assert not marker.exists(), "the worker was never killed"
     # Both stages read every batch (the first its inputs, the last its targets): the positions read
     # again after the restart are those of steps 7-9 alone (12, 13: step 7), not from the start
-    # (the first, 0, every worker reads at its start to size what crosses the cut).
+    # (the first, 0, is also read by the command's check of the data against the model).
     served = Counter(int(line) for line in Path(f"{marker}.served").read_text().split())
     assert min(p for p, n in served.items() if n > 2 and p != 0) == 12
     reference = train(tmp_path, "reference", *overrides, "+data.marker=", "tracking.experiment=reference")

@@ -16,9 +16,9 @@ class Workers(Parallel):
     def __init__(self, rank: int, world_size: int, device: torch.device, average_every: int = 0,
                  check_replicas: bool = True, cores: float | None = None):
         self.rank, self.world_size, self.device, self.cores = rank, world_size, device, cores
-        self.replica, self.replicas = rank, world_size
         self.logging = rank == 0
         self.average_every, self.check_replicas = average_every, check_replicas
+        self.group = None  # the ranks that hold the same parameters (all; a pipeline stage's replicas)
 
     def timings(self) -> dict[str, float]:
         """Figures of this worker's own, reported at the end (the pipeline's stages: their waits)."""
@@ -38,14 +38,17 @@ class Workers(Parallel):
 
     def replica_metrics(self, params: Iterable[torch.Tensor]) -> dict[str, float]:
         """train/replica_divergence: the largest difference of any parameter between any two
-        ranks (0.0: all ranks agree)."""
+        ranks that hold it (0.0: all agree); with pipeline stages, the largest over the stages."""
         if not self.check_replicas:
             return {}
         flat = torch.cat([p.detach().reshape(-1).float() for p in params])
         high, low = flat.clone(), flat.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        return {"train/replica_divergence": (high - low).max().item()}
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+        gap = (high - low).max().reshape(1)
+        if self.stages > 1:
+            dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        return {"train/replica_divergence": gap.item()}
 
     def update_allowed(self, finite: bool, grads: Callable[[], list[torch.Tensor]]) -> bool:
         """After the gradient all-reduce every rank holds the same gradients, and a nan or inf

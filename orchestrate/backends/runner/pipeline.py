@@ -16,7 +16,6 @@ is whole again on rank 0 (`assemble`) only where the loop needs it whole, at eva
 checkpoint and export steps, from the other stages' replica 0, and emptied again after.
 """
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -78,7 +77,7 @@ def check(job, engine) -> None:
     if t.precision.value != "fp32":
         raise ConfigError(f"trainer.precision={t.precision.value} with trainer.pipeline_parallel_size={P}: stages "
                           "train in fp32; allowed: trainer.precision=fp32")
-    stages.cut(job.model, P, list(t.pipeline_split) if t.pipeline_split is not None else None)
+    stages.cut(job.model, P, t.pipeline_split)
 
 
 class Stages(Workers):
@@ -89,14 +88,12 @@ class Stages(Workers):
                  split: list[str] | None, check_replicas: bool = True, cores: float | None = None):
         super().__init__(rank, world_size, device, check_replicas=check_replicas, cores=cores)
         self.stages, self.schedule, self.split = stages, schedule, split
-        self.replicas = world_size // stages
-        self.stage, self.replica = divmod(rank, self.replicas)
+        self.stage = rank // self.replicas
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         self.before = rank - self.replicas  # the same replica's previous stage
         self.after = rank + self.replicas
         # Each stage's replicas average their gradients among themselves; every rank makes every
         # group, in the same order (torch.distributed's rule).
-        self.group = None
         for s in range(stages):
             group = dist.new_group(list(range(s * self.replicas, (s + 1) * self.replicas)))
             if s == self.stage:
@@ -110,10 +107,11 @@ class Stages(Workers):
         self.steps_timed, self.seconds, self.waited = -1, 0.0, 0.0  # the schedule's time and its waits (the first step left out)
 
     # ---- the model --------------------------------------------------------------------------------
-    def part(self, model: torch.nn.Module, sample: torch.Tensor) -> torch.nn.Module:
+    def part(self, model: torch.nn.Module, sample: Callable[[], torch.Tensor]) -> torch.nn.Module:
         """This rank's stage of `model` (built whole, from the seed, on every rank), the shapes that
-        cross each cut measured on `sample` (one micro-batch's input), and the other stages' weights
-        emptied: this worker holds and trains its stage alone."""
+        cross each cut measured on `sample()` (the data's sample input: each sample's shape, the
+        batch dimension aside), and the other stages' weights emptied: this worker holds and trains
+        its stage alone."""
         from orchestrate.backends.runner.stages import cut
 
         self.parts = cut(model, self.stages, self.split)
@@ -121,7 +119,7 @@ class Stages(Workers):
         was_training = model.training
         model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            x = sample.to(self.device)
+            x = sample().to(self.device)
             for p in self.parts[:-1]:
                 x = p(x)
                 self.shapes.append((tuple(x.shape[1:]), x.dtype))
@@ -268,9 +266,6 @@ class Stages(Workers):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP: `run` averages a stage's gradients over its replicas itself
 
-    def accumulating(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def hold(self, loss, grads) -> torch.Tensor:
         """Hold the update when the loss or any stage's gradients are not finite: every rank has
         both from `run`'s exchange, so all decide alike."""
@@ -286,18 +281,6 @@ class Stages(Workers):
         squares = torch.tensor([found[k] ** 2 if self.replica == 0 else 0.0 for k in keys], dtype=torch.float64)
         dist.all_reduce(squares)
         return {**found, **{k: v ** 0.5 for k, v in zip(keys, squares.tolist())}}
-
-    def replica_metrics(self, params) -> dict[str, float]:
-        """The largest gap between the replicas of any stage (0.0: in sync)."""
-        if not self.check_replicas:
-            return {}
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-        high, low = flat.clone(), flat.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
-        gap = (high - low).max().reshape(1)
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-        return {"train/replica_divergence": gap.item()}
 
 
 def merge_states(states: list[dict], indices: list[list[int]]) -> dict:

@@ -42,15 +42,22 @@ class Cuts:
         if len(self.at) < stages - 1:
             raise ConfigError(f"trainer.pipeline_parallel_size={stages}: the model can be cut in {len(self.at)} "
                               f"place(s) ({self.cuttable()}); allowed: pipeline_parallel_size up to {len(self.at) + 1}")
+        return self._balanced(stages)
+
+    def _balanced(self, stages: int) -> list[str]:
+        """The P-1 places whose largest stage has the fewest parameters: over the places in forward
+        order, best[s][j] is the best cut of the units before place j into s stages (a linear
+        partition: P x places^2 steps, whatever the model's size)."""
         order = {name: i for i, name in enumerate(self.units)}
         before = list(itertools.accumulate([0] + [self.params[u] for u in self.units]))  # params before unit i
-        total = before[-1]
-
-        def largest(cut: tuple[str, ...]) -> int:
-            bounds = [0, *(order[c] for c in cut), len(self.units)]
-            return max(before[b] - before[a] for a, b in zip(bounds, bounds[1:]))
-
-        return list(min(itertools.combinations(list(self.at), stages - 1), key=lambda c: (largest(c), total)))
+        bounds = [0, *(order[name] for name in self.at), len(self.units)]  # unit indices: start, places, end
+        names = [None, *self.at, None]
+        best = {(1, j): (before[bounds[j]], ()) for j in range(1, len(bounds))}
+        for s in range(2, stages + 1):
+            for j in range(s, len(bounds)):
+                best[s, j] = min(((max(best[s - 1, i][0], before[bounds[j]] - before[bounds[i]]),
+                                   (*best[s - 1, i][1], names[i])) for i in range(s - 1, j)), key=lambda c: c[0])
+        return list(best[stages, len(bounds) - 1][1])
 
     def _checked(self, stages: int, names: list[str]) -> list[str]:
         if len(names) != stages - 1:

@@ -212,7 +212,7 @@ def log_worker_figures(job, rank: int) -> None:
     rank 0 logs them at the last step and keeps the two summaries in its final metrics."""
     import resource
 
-    mine = {"peak_rss_mb": getattr(job.meter, "peak_rss_mb", 0.0),  # training's (Meter._display)
+    mine = {"peak_rss_mb": job.meter.peak_rss_mb,  # training's (Meter._display)
             "peak_rss_end_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # with the final evaluation and export
             **job.parallel.timings()}
     everyone = [None] * job.parallel.world_size
