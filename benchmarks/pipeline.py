@@ -27,6 +27,8 @@ layers of `--hidden` units: its parameters and AdamW's two moments dominate a wo
 """
 
 import argparse
+import contextlib
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -51,6 +53,7 @@ def run(folder: Path, name: str, args, *overrides: str) -> dict[str, float]:
     result = app.train(cfg, folder / name)
     metrics = MlflowClient(f"sqlite:///{folder}/mlflow.db").get_run(result.run_id).data.metrics
     print(f"  {name}: {', '.join(f'{k}={v:.4g}' for k, v in sorted(metrics.items()) if k.startswith(('perf/', 'final/')))}")
+    shutil.rmtree(result.out_dir)  # its last checkpoint, Ray Train's copy and model.onnx: 3.6 GB a run at the defaults
     return metrics
 
 
@@ -70,7 +73,8 @@ def main() -> None:
                                            f"trainer.gradient_accumulation_steps={m}", f"trainer.batch_size={64 // m}"])
                 for schedule in ("gpipe", "1f1b") for m in args.micro]
     runs: dict[tuple, list[dict[str, float]]] = {(label, m): [] for label, m, _ in configs}
-    with tempfile.TemporaryDirectory() as tmp:
+    # In a folder of its own: MLflow keeps a SQLite store's artifacts (each run's 0.5 GB model) under the working folder.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
         for repeat in range(args.repeats):  # interleaved: the machine's drift lands on every configuration alike
             for label, m, overrides in configs:
                 runs[label, m].append(run(Path(tmp), f"{label} M{m} #{repeat}".replace(" ", "_"), args, *overrides))
