@@ -22,7 +22,7 @@ from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.cluster import warm
 from orchestrate.cpu import Budget
 from orchestrate.job import Checked, Job
-from orchestrate.meter import world_sizes
+from orchestrate.meter import reset_peak_rss, world_sizes
 from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
 from orchestrate.tracking.handover import finished_run_metrics
@@ -112,6 +112,7 @@ def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Res
     and choosing them again (None, or another config's: built here). The process is left as it was
     found (thread counts, environment: orchestrate.process)."""
     # ConfigError here: nothing has been written anywhere yet.
+    reset_peak_rss()  # the run's own memory peak, in a process that ran others before it
     job = checked.take(cfg, out_dir) if checked is not None else None
     run_choice = checked.run if job is not None else None
     job = job or Job.prepare(cfg, out_dir)
@@ -235,24 +236,32 @@ def hydra_app(checked: Checked | None = None) -> Callable[[], None]:
     for a sweep, whose trials (shipped to Ray workers and Slurm jobs as this function) check their own."""
 
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-    def task(cfg: DictConfig) -> float | None:
+    def task(cfg: DictConfig) -> float | list[float | None] | None:
         return hydra_job(cfg, checked)
 
     return task
 
 
-def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | None:
+def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | list[float | None] | None:
     """One Hydra job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
     hydra_cfg = HydraConfig.get()
     earlier = finished_run_metrics()
     if earlier is not None:  # a resumed sweep hands a finished trial its old run: nothing to train
         print(f"trial {hydra_cfg.job.num} ({','.join(hydra_cfg.overrides.task)}) finished in an earlier attempt: "
               "skipped", flush=True)
-        return earlier.get(f"final/{cfg.sweep.metric}")
+        return sweep_value(cfg, {k.removeprefix("final/"): v for k, v in earlier.items()})
     # A single run's failure: one line and its exit code (orchestrate.boundary). A sweep's trial
     # raises on, for its sweeper and launcher to record.
     where = Where(RUN, out_dir=Path(hydra_cfg.runtime.output_dir), log_file=job_log(hydra_cfg),
                   resumable=resumable(cfg))
     with boundary(where) if hydra_cfg.mode == RunMode.RUN else contextlib.nullcontext():
         result = train(cfg, Path(hydra_cfg.runtime.output_dir), checked)
-    return result.metrics.get(cfg.sweep.metric)
+    return sweep_value(cfg, result.metrics)
+
+
+def sweep_value(cfg: DictConfig, metrics: dict[str, float]) -> float | list[float | None] | None:
+    """What a trial returns to its sweeper: the final value of sweep.metric, or of each of its
+    metrics (a sweep over several objectives) as a list."""
+    if isinstance(cfg.sweep.metric, str):
+        return metrics.get(cfg.sweep.metric)
+    return [metrics.get(m) for m in cfg.sweep.metric]

@@ -16,7 +16,7 @@ import sys
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from orchestrate import app, errors
+from orchestrate import app, errors, schema
 from orchestrate.boundary import CHECK, COMMAND, Where, boundary
 from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, load_config, searching
 
@@ -108,17 +108,25 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
 
 
 def check_sweeper(cfg) -> None:
-    """The asynchronous Optuna sweeper's own settings, checked with the trials: before the sweep's
-    MLflow run opens (Hydra opens it before it sets the sweeper up)."""
+    """The sweep's objectives (sweep.metric against the sweeper's direction, or sweep.direction),
+    a comparison's repeats, and the asynchronous Optuna sweeper's own settings, checked with the
+    trials: before the sweep's MLflow run opens (Hydra opens it before it sets the sweeper up)."""
+    from orchestrate.sweeps import compare
     from orchestrate.sweeps.pruning import SWEEPER
 
+    direction_key = "hydra.sweeper.direction" if OmegaConf.select(cfg, "hydra.sweeper.direction") is not None \
+        else "sweep.direction"
+    schema.objectives(cfg.sweep.metric, OmegaConf.select(cfg, direction_key), direction_key)
+    compare.check(cfg)
     if OmegaConf.select(cfg, "hydra.sweeper._target_") != SWEEPER:
         return
     from orchestrate.sweeps import _optuna
 
     _optuna.check_settings(OmegaConf.select(cfg, "hydra.sweeper.direction"),
                            OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
-                           str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")))
+                           str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")),
+                           metric=cfg.sweep.metric,
+                           pruner=OmegaConf.select(cfg, "hydra.sweeper.pruner._target_", default=None))
 
 
 def is_hydra(word: str) -> bool:

@@ -373,13 +373,13 @@ class Job:
 
     def registration(self):
         """Where the final model is registered (tracking.register_model), None: not registered. The
-        alias `best` goes by the sweep's metric, as the model's evaluation names it (the meter's
-        final `eval_loss` is the evaluation's `eval/loss`)."""
+        alias `best` goes by the sweep's (first) metric, as the model's evaluation names it (the
+        meter's final `eval_loss` is the evaluation's `eval/loss`); a sweep over several objectives
+        also gives its Pareto front's versions an alias per objective (orchestrate.sweeps._runs)."""
         from orchestrate.tracking.models import Registration
 
         name = self.cfg.tracking.register_model
-        metric, direction = self.cfg.sweep.metric, self.cfg.sweep.direction
-        minimize = schema.Direction(direction) is schema.Direction.minimize
+        metric, minimize = schema.objectives(self.cfg.sweep.metric, self.cfg.sweep.direction, "sweep.direction")[0]
         return Registration(name, metric.replace("_", "/", 1), minimize) if name else None
 
     def close_data(self) -> None:

@@ -39,6 +39,27 @@ def nonfinite(loss):
     return loss.isfinite().logical_not().float()
 
 
+def reset_peak_rss() -> None:
+    """Start the process's resident-memory high-water mark again from what it holds now (Linux's
+    /proc/self/clear_refs), so that a run in a process that ran others before (a Ray worker's
+    second trial, a warm pool's fork) reports its own peak; elsewhere the lifetime's mark stays."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """The process's resident-memory high-water mark (MiB) since it started or `reset_peak_rss`."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def world_sizes(history: dict[str, list[tuple[int, float]]]) -> list[int]:
     """The worker counts a run trained with, in order: its `world_size` metric (the runner logs it
     at each display step), each change once."""
@@ -79,6 +100,7 @@ class Meter:
         self.tensorboard = None  # trainer.tensorboard: a SummaryWriter, opened at the first metric
         self.peak_rss_mb = 0.0  # the process's RSS high-water mark at the last display step (`_display`)
         self._timed_steps, self._timed_seconds = 0, 0.0
+        self._first_window = (0, 0.0)  # the steps and seconds of the first display window, left out of the timing
         # What the device has not told yet (`record` with on_device=True): each step's loss and
         # whether its update was held, as tensors, read in one go at the next reading step.
         self._unread: list[tuple[int, Any, Any]] = []
@@ -201,11 +223,13 @@ class Meter:
         if self._timed_steps or self._window_steps == self.trainer.max_steps or step > self.trainer.display_loss_steps:
             self._timed_steps += self._window_steps
             self._timed_seconds += seconds
+        else:
+            self._first_window = (self._window_steps, seconds)
         self.log(metrics, step)
         self.final["train_loss"] = mean_loss
         # At the last display step: training's peak (before the last step's evaluation, checkpoint
         # and export), the runner's `perf/peak_rss_mb`.
-        self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.peak_rss_mb = peak_rss_mb()
         self._bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{metrics['perf/samples_per_sec']:,.0f}", refresh=False)
         if self.on_display is not None:
             self.on_display(step, metrics)
@@ -226,7 +250,7 @@ class Meter:
         msg = f"step {step}: eval loss {loss:.4f}" + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
         if self.trial is not None:
             # At the last step the trial is complete whatever the pruner would say.
-            self._prune = self.trial.report(step, metrics, ask=step < self.trainer.max_steps)
+            self._prune = self.trial.report(step, self.so_far(), ask=step < self.trainer.max_steps)
             msg += "; the sweep's pruner stops this trial here" if self._prune else ""
         self._bar.write(f"[{self.name}] {msg}")
         self._excluded += time.perf_counter() - began
@@ -264,11 +288,31 @@ class Meter:
         self.history = {k: list(v) for k, v in logged.items()}
         self.logged_steps = {k: {s for s, _ in v} for k, v in logged.items()}
 
+    def so_far(self) -> dict[str, float]:
+        """The final metrics as they stand now (orchestrate.schema.SWEEP_METRICS), for a sweep's
+        pruner at an evaluation: the last evaluation and train loss, the seconds so far, the
+        throughput of the steady steps so far, the memory peak so far."""
+        now = {k: v for k, v in self.final.items() if k in ("train_loss", "eval_loss", "eval_accuracy")}
+        now["wall_time_s"] = time.perf_counter() - self._run_start
+        now["peak_rss_mb"] = self.peak_rss_mb
+        return {**now, **self.speed()}
+
+    def speed(self) -> dict[str, float]:
+        """Throughput and step time over the timed steps, and the first window's warm-up: its
+        seconds beyond its steps at the steady step time (export, graph build, compile)."""
+        if not self._timed_steps:
+            return {}
+        step_s = self._timed_seconds / self._timed_steps
+        steps, seconds = self._first_window
+        return {"samples_per_sec": self.samples_per_step / step_s, "step_time_ms": 1000.0 * step_s,
+                "warmup_s": max(0.0, seconds - steps * step_s)}
+
     def summary(self) -> dict[str, float]:
-        """The final metrics: last train loss, last eval, throughput and step time over the timed steps."""
-        if self._timed_steps:
-            self.final["samples_per_sec"] = self._timed_steps * self.samples_per_step / self._timed_seconds
-            self.final["step_time_ms"] = 1000.0 * self._timed_seconds / self._timed_steps
+        """The final metrics: last train loss, last eval, throughput, step time and warm-up over
+        the timed steps, the memory peak while training (the runner's driver has its workers')."""
+        self.final.update(self.speed())
+        if self.peak_rss_mb and "peak_rss_mb" not in self.final:
+            self.final["peak_rss_mb"] = self.peak_rss_mb
         return dict(self.final)
 
     def close(self) -> None:

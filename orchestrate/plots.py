@@ -1,4 +1,4 @@
-"""Loss curves as PNG files (matplotlib, no display needed).
+"""Charts as PNG files (matplotlib, no display needed): loss curves, a comparison, a Pareto front.
 
 A bare `Figure` draws with the Agg renderer: no pyplot, no GUI backend chosen for the whole
 process, and matplotlib is imported only when a chart is drawn (not on a command that is refused).
@@ -47,4 +47,68 @@ def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, tit
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return path
+
+
+def comparison(result, path: Path) -> Path:
+    """A comparison (orchestrate.sweeps.compare.Comparison): the eval loss against the seconds
+    since each run started, every repeat a line in its configuration's colour (their spread is the
+    spread of the runs), beside each configuration's samples/s with its interval."""
+    from orchestrate.ort import console_filtered
+
+    with console_filtered(_LogFileOnly()):
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(12, 5))
+        curves, rates = fig.subplots(1, 2)
+        for i, g in enumerate(result.groups):
+            colour = f"C{i % 10}"
+            for k, r in enumerate(g.repeats):
+                if r.evals and r.start_ms:
+                    points = sorted(r.evals)
+                    curves.plot([(t - r.start_ms) / 1000 for t, _ in points], [v for _, v in points], "-o",
+                                color=colour, alpha=0.6, markersize=3, label=g.name if k == 0 else None)
+            rate = g.figures.get("samples_per_sec")
+            if rate is not None:
+                error = [[rate.mean - rate.low], [rate.high - rate.mean]] if rate.n > 1 else None
+                rates.bar(i, rate.mean, yerr=error, color=colour, capsize=6)
+        if result.target is not None:
+            curves.axhline(result.target, color="grey", linestyle=":", label=f"target {result.target:.4f}")
+        curves.set(xlabel="seconds since the run started", ylabel="eval loss", yscale="log",
+                   title=f"eval loss against wall time ({result.repeats} repeats each)")
+        curves.grid(True, alpha=0.3)
+        if curves.get_legend_handles_labels()[0]:
+            curves.legend(fontsize="small")
+        rates.set_xticks(range(len(result.groups)), [g.name for g in result.groups], rotation=20, fontsize="small")
+        rates.set(ylabel="samples/s", title=f"throughput, mean and {result.confidence:.0%} interval")
+        rates.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    return path
+
+
+def pareto(points: dict[int, list[float]], front: set[int], names: list[str], path: Path) -> Path:
+    """A sweep over several objectives: every finished trial by its first two objectives, the
+    Pareto front's trials marked, labelled and joined."""
+    from orchestrate.ort import console_filtered
+
+    with console_filtered(_LogFileOnly()):
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 5))
+        ax = fig.subplots()
+        others = [v for i, v in points.items() if i not in front]
+        if others:
+            ax.scatter([v[0] for v in others], [v[1] for v in others], color="grey", alpha=0.6, label="trials")
+        ours = sorted((points[i], i) for i in front)
+        if ours:
+            ax.plot([v[0] for v, _ in ours], [v[1] for v, _ in ours], "o-", color="C3", label="Pareto front")
+            for v, i in ours:
+                ax.annotate(f"#{i}", (v[0], v[1]), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        ax.set(xlabel=names[0], ylabel=names[1], title="trials by objective")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
     return path

@@ -200,14 +200,47 @@ class TrackingConf:
     tags: dict[str, str] = field(default_factory=dict)
 
 
+# The final metrics every run logs (final/<name> in MLflow; eval_accuracy: classifiers only), which
+# sweep.metric may name: what a trial returns to its sweeper, ranks the summary, forms the Pareto
+# front of a sweep over several objectives. orchestrate.meter writes them.
+SWEEP_METRICS = {
+    "eval_loss": "the last evaluation's loss",
+    "eval_accuracy": "the last evaluation's accuracy (classifiers)",
+    "train_loss": "the last display window's training loss",
+    "wall_time_s": "seconds the training loop ran, evaluations included",
+    "samples_per_sec": "training throughput over the steady steps",
+    "step_time_ms": "milliseconds a steady step took",
+    "warmup_s": "seconds the first display window took beyond its steps at the steady rate (export, graph build, compile)",
+    "peak_rss_mb": "the process's (the runner: its largest worker's) resident memory high-water mark while training",
+}
+
+
 @dataclass
 class SweepConf:
     name: str = "none"  # the conf/sweep file in use (each sets its own); none: plain Hydra multirun
     default: str = "lr_grid"  # what a bare `+sweep` runs when no experiment picked a sweep
-    metric: str = "eval_loss"  # final metric a trial returns (Optuna optimises it; the summary ranks by it)
-    # Whether the metric is better low or high: the summary ranks by it, and it is the Optuna
-    # sweeper's direction unless hydra.sweeper.direction says otherwise.
-    direction: Direction = Direction.minimize
+    # The final metric a trial returns (Optuna optimises it; the summary ranks by it), one of
+    # SWEEP_METRICS; a list of them for a sweep over several objectives (the summary's Pareto
+    # front), with a list of as many directions.
+    metric: Any = "eval_loss"
+    # Whether the metric is better low or high (minimize, maximize; a list: one per metric): the
+    # summary ranks by it, and it is the Optuna sweeper's direction unless hydra.sweeper.direction
+    # says otherwise.
+    direction: Any = "minimize"
+
+
+@dataclass
+class CompareConf:
+    """A comparison (conf/sweep/compare.yaml): the same model and data trained by each swept
+    configuration (by default each backend) `repeats` times, interleaved; the sweep's summary gives
+    means with confidence intervals and a verdict (orchestrate.sweeps.compare). A sweep that varies
+    compare.repeat is a comparison."""
+
+    repeats: int = 3  # runs of each configuration; a verdict needs an interval, so at least 2
+    repeat: int = 0  # which repeat a run is (the sweep varies it over range(repeats)); nothing else reads it
+    baseline: str = "torch"  # the backend whose loss curve the others are measured against, and whose eval loss is the target
+    target: Optional[float] = None  # the eval loss the time to target is measured to; null: the baseline's (the worst of its repeats' best)
+    confidence: float = 0.95  # of the intervals
 
 
 @dataclass
@@ -219,6 +252,7 @@ class Config:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)
     sweep: SweepConf = field(default_factory=SweepConf)
+    compare: CompareConf = field(default_factory=CompareConf)
 
 
 def register() -> None:
@@ -233,7 +267,7 @@ def check_settings(cfg: DictConfig) -> None:
     # `+key=value` adds a key even where the schema has none (Hydra lifts the struct flag for it):
     # nothing would read it, so a typo such as `+trainer.max_step=5` would be ignored quietly.
     for prefix, schema in (("", Config), ("trainer.", TrainerConf), ("tracking.", TrackingConf),
-                           ("sweep.", SweepConf)):
+                           ("sweep.", SweepConf), ("compare.", CompareConf)):
         node = OmegaConf.select(cfg, prefix.rstrip(".")) if prefix else cfg
         allowed = [f.name for f in fields(schema)]
         unknown = [str(k) for k in node if k not in allowed]
@@ -270,6 +304,36 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError("tracking.experiment='': MLflow needs an experiment name; allowed: any non-empty name "
                           "(default: orchestrate)")
     check_tracking_names(cfg.tracking)
+    objectives(cfg.sweep.metric, cfg.sweep.direction, "sweep.direction")
+    if not 0 < cfg.compare.confidence < 1:
+        raise ConfigError(f"compare.confidence={cfg.compare.confidence}: allowed: between 0 and 1 (e.g. 0.95)")
+
+
+def objectives(metric: Any, direction: Any, direction_key: str) -> list[tuple[str, bool]]:
+    """sweep.metric and a direction (`direction_key`: sweep.direction or hydra.sweeper.direction)
+    as (metric, minimize) pairs, one per objective; ConfigError for a metric no run logs, a
+    direction that is neither minimize nor maximize, or lists of different lengths."""
+    metrics = list(metric) if isinstance(metric, (list, tuple, ListConfig)) else [metric]
+    directions = list(direction) if isinstance(direction, (list, tuple, ListConfig)) else [direction]
+    for name in metrics:
+        if name not in SWEEP_METRICS:
+            raise ConfigError(f"sweep.metric={name}: no run logs it; allowed: {', '.join(SWEEP_METRICS)} "
+                              "(or a list of them, one objective each)")
+    if len(set(metrics)) < len(metrics):
+        raise ConfigError(f"sweep.metric={shown_list(metrics)}: names a metric twice; give each objective once")
+    words = [str(getattr(d, "value", d)).lower() for d in directions]
+    for word in words:
+        if word not in ("minimize", "maximize"):
+            raise ConfigError(f"{direction_key}={word}: allowed: minimize, maximize (a list: one per sweep.metric)")
+    if len(words) != len(metrics):
+        raise ConfigError(f"{direction_key}={shown_list(words)} gives {len(words)} direction(s) for "
+                          f"sweep.metric={shown_list(metrics)}, {len(metrics)} metric(s): give one direction per "
+                          f"metric, e.g. {direction_key}=[{','.join(['minimize'] * len(metrics))}]")
+    return [(m, w == "minimize") for m, w in zip(metrics, words)]
+
+
+def shown_list(values: list) -> str:
+    return values[0] if len(values) == 1 else f"[{','.join(map(str, values))}]"
 
 
 def check_tracking_names(tracking: DictConfig) -> None:

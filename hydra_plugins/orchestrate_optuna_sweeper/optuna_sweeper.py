@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
@@ -96,6 +96,17 @@ class HyperbandPrunerConf:
 
 
 @dataclass
+class DominatedPrunerConf:
+    """A sweep over several objectives (a list of directions): stop a trial at an evaluation where
+    `beaten_by` completed trials were better on every objective at the same step (Optuna's own
+    pruners rank one objective; orchestrate.sweeps.dominated)."""
+
+    _target_: str = "orchestrate.sweeps.dominated.DominatedPruner"
+    beaten_by: int = 2  # completed trials that must beat a trial on every objective to stop it
+    min_resource: Any = "auto"  # steps before any trial can be stopped; auto: two evaluation periods
+
+
+@dataclass
 class NopPrunerConf:
     """No pruning: every trial runs to the end (the sweep is still asynchronous)."""
 
@@ -113,7 +124,8 @@ class OrchestrateOptunaSweeperConf:
     # again wherever a trial runs), not as objects.
     _recursive_: bool = False
     # Whether sweep.metric (what each trial returns and reports at every evaluation) is better low
-    # or high: minimize or maximize; by default the app's sweep.direction.
+    # or high: minimize or maximize; a list, one per metric, for several objectives (sweep.metric a
+    # list of as many; the summary gives the Pareto front). By default the app's sweep.direction.
     direction: Any = "${sweep.direction}"
     # The Optuna study; null: named after the sweep (the same command and sweep settings, not
     # counting n_trials and n_jobs: the same study), so that running a sweep again continues it.
@@ -130,7 +142,9 @@ class OrchestrateOptunaSweeperConf:
     # Failed trials tolerated, as a fraction of n_trials; past it the sweep stops with the first error.
     max_failure_rate: float = 0.0
     sampler: Any = MISSING  # hydra/sweeper/sampler: tpe (default), random, grid
-    pruner: Any = MISSING  # hydra/sweeper/pruner: successive_halving (default), median, hyperband, none
+    # hydra/sweeper/pruner: successive_halving (default), median, hyperband, none; with several
+    # objectives: dominated or none.
+    pruner: Any = MISSING
     # The search space: key -> choice(...), range(...), interval(...), tag(log, interval(...)), or a
     # fixed value, as Hydra's Optuna sweeper reads it. Sweeps on the command line are added to it.
     params: Optional[dict[str, str]] = None
@@ -141,7 +155,8 @@ _store.store(group="hydra/sweeper", name="orchestrate_optuna", node=OrchestrateO
 for _name, _node in [("tpe", TPESamplerConf), ("random", RandomSamplerConf), ("grid", GridSamplerConf)]:
     _store.store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="orchestrate")
 for _name, _node in [("median", MedianPrunerConf), ("successive_halving", SuccessiveHalvingPrunerConf),
-                     ("hyperband", HyperbandPrunerConf), ("none", NopPrunerConf)]:
+                     ("hyperband", HyperbandPrunerConf), ("dominated", DominatedPrunerConf),
+                     ("none", NopPrunerConf)]:
     _store.store(group="hydra/sweeper/pruner", name=_name, node=_node, provider="orchestrate")
 
 
@@ -164,7 +179,9 @@ class OrchestrateOptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config)
         launcher = type(self.launcher)
-        _optuna.check_settings(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}")
+        _optuna.check_settings(self.conf["direction"], self.conf.get("n_jobs"), f"{launcher.__module__}.{launcher.__name__}",
+                               metric=OmegaConf.select(config, "sweep.metric"),
+                               pruner=OmegaConf.select(self.conf["pruner"], "_target_") if self.conf.get("pruner") else None)
 
     def sweep(self, arguments: list[str]) -> None:
         from orchestrate.sweeps import _optuna

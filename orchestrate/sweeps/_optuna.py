@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from orchestrate import thirdparty
+from orchestrate import schema, thirdparty
 from orchestrate.redact import redact_text
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import plan, remote
@@ -193,11 +193,11 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
     sampler_conf = OmegaConf.to_container(conf["sampler"], resolve=True)
     if sampler_conf.get("_target_") == "optuna.samplers.GridSampler":
         sampler_conf["search_space"] = space.grid()
-    direction = direction_of(conf["direction"])  # checked in `check`
+    directions = directions_of(conf["direction"])  # checked in `check_settings`
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     pruner = pruner_settings(OmegaConf.to_container(conf["pruner"], resolve=True), config.trainer)
     study = optuna.create_study(storage=storage, study_name=name, sampler=instantiate(sampler_conf),
-                                pruner=instantiate(pruner), direction=direction, load_if_exists=True)
+                                pruner=instantiate(pruner), directions=directions, load_if_exists=True)
     earlier = len(study.get_trials(deepcopy=False))
     if earlier and sampler_conf.get("seed") is not None and not sampler_conf.get("search_space"):
         # A study continued (the same sweep with a larger n_trials): a sampler seeded as before
@@ -208,24 +208,42 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
 
         sampler_conf["seed"] = int(np.random.SeedSequence([sampler_conf["seed"], earlier]).generate_state(1)[0])
         study.sampler = instantiate(sampler_conf)
-    if study.direction.name.lower() != direction:
-        raise ConfigError(f"hydra.sweeper.direction={direction}: study {name} in {redact_text(storage)} was "
-                          f"created to {study.direction.name.lower()}; set hydra.sweeper.study_name to start another")
+    created = [d.name.lower() for d in study.directions]
+    if created != directions:
+        raise ConfigError(f"hydra.sweeper.direction={schema.shown_list(directions)}: study {name} in "
+                          f"{redact_text(storage)} was created to {schema.shown_list(created)}; set "
+                          "hydra.sweeper.study_name to start another")
     return study, storage, name
 
 
-def direction_of(value: Any) -> str:
-    """minimize or maximize, from a string or orchestrate.schema.Direction."""
-    return str(getattr(value, "value", value)).lower()
+def directions_of(value: Any) -> list[str]:
+    """[minimize or maximize, ...], one per objective, from a string or a list of them."""
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [str(getattr(v, "value", v)).lower() for v in values]
 
 
-def check_settings(direction, n_jobs: int | None, launcher: str) -> None:
-    """The sweeper's own settings (`launcher`: the launcher's class path), refused in one line:
-    by the command line's up-front check (orchestrate.cli.check_sweeper), before the
-    sweep's MLflow run opens, and by the sweeper's setup for any other Hydra app."""
-    direction = direction_of(direction)
-    if direction not in ("minimize", "maximize"):
-        raise ConfigError(f"hydra.sweeper.direction={direction}: allowed: minimize, maximize (one objective: sweep.metric)")
+SEVERAL_OBJECTIVES_PRUNERS = ("orchestrate.sweeps.dominated.DominatedPruner", "optuna.pruners.NopPruner")
+
+
+def check_settings(direction, n_jobs: int | None, launcher: str, metric: Any = None, pruner: str | None = None) -> None:
+    """The sweeper's own settings (`launcher`: the launcher's class path; `metric`: the app's
+    sweep.metric, one objective per direction; `pruner`: its class path), refused in one line: by
+    the command line's up-front check (orchestrate.cli.check_sweeper), before the sweep's MLflow
+    run opens, and by the sweeper's setup for any other Hydra app."""
+    directions = directions_of(direction)
+    for word in directions:
+        if word not in ("minimize", "maximize"):
+            raise ConfigError(f"hydra.sweeper.direction={word}: allowed: minimize, maximize (a list: one per sweep.metric)")
+    if metric is not None:
+        schema.objectives(metric, directions, "hydra.sweeper.direction")
+    several = len(directions) > 1
+    if pruner is not None and several and pruner not in SEVERAL_OBJECTIVES_PRUNERS:
+        raise ConfigError(f"hydra/sweeper/pruner: {pruner.rsplit('.', 1)[-1]} ranks one objective, and this sweep "
+                          f"has {len(directions)}; allowed: hydra/sweeper/pruner=dominated (stops a trial that "
+                          "completed trials beat on every objective) or none")
+    if pruner == SEVERAL_OBJECTIVES_PRUNERS[0] and not several:
+        raise ConfigError("hydra/sweeper/pruner=dominated prunes a sweep over several objectives, and this one has "
+                          "one; allowed: successive_halving, median, hyperband, none")
     if n_jobs is not None and n_jobs < 1:
         raise ConfigError(f"hydra.sweeper.n_jobs={n_jobs}: must be at least 1, or null (what the launcher runs at once)")
     if n_jobs is not None and n_jobs > 1 and launcher == thirdparty.BASIC_LAUNCHER:
@@ -250,7 +268,7 @@ class Outcome:
     number: int
     overrides: list[str]
     state: str  # COMPLETE, PRUNED, FAIL
-    value: float | None = None
+    value: float | list[float] | None = None  # a list: one per objective
     pruned_at: int | None = None
     error: BaseException | None = None
 
@@ -420,20 +438,23 @@ def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
         frozen = study.tell(trial, state=TrialState.PRUNED)  # its value: the last one it reported
         return Outcome(trial.number, overrides, "PRUNED", frozen.value, int(pruned_at))
     value = ret.return_value
-    if not isinstance(value, (int, float)):
-        error = ValueError(f"trial {trial.number} returned {value!r}, not a number: does sweep.metric name a "
-                           "metric the run logs (eval_loss, eval_accuracy, train_loss)?")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(isinstance(v, (int, float)) for v in values):
+        error = ValueError(f"trial {trial.number} returned {value!r}, not a number for each objective: does "
+                           "sweep.metric name metrics this run logs (eval_accuracy: classifiers only)?")
         study.tell(trial, state=TrialState.FAIL)
         return Outcome(trial.number, overrides, "FAIL", error=error)
-    study.tell(trial, float(value))
-    return Outcome(trial.number, overrides, "COMPLETE", float(value))
+    values = [float(v) for v in values]
+    study.tell(trial, values if len(values) > 1 else values[0])
+    return Outcome(trial.number, overrides, "COMPLETE", values if len(values) > 1 else values[0])
 
 
 def describe(outcome: Outcome) -> str:
     if outcome.state == "PRUNED":
         return f"PRUNED at step {outcome.pruned_at}"
     if outcome.state == "COMPLETE":
-        return f"COMPLETE, {outcome.value:.4g}"
+        values = outcome.value if isinstance(outcome.value, list) else [outcome.value]
+        return f"COMPLETE, {', '.join(f'{v:.4g}' for v in values)}"
     return f"FAILED: {outcome.error}"
 
 
@@ -448,8 +469,11 @@ def write_results(config: DictConfig, study, storage: str, name: str) -> None:
     counts["REPEAT_SKIPPED"] = repeats  # proposals that repeated a finished trial (ask_new)
     results: dict[str, Any] = {"name": "optuna", "study_name": name, "storage": redact_text(storage),
                                "trials": counts}
-    if counts["COMPLETE"]:
+    if counts["COMPLETE"] and len(study.directions) == 1:
         results.update(best_params=study.best_params, best_value=study.best_value)
+    elif counts["COMPLETE"]:  # several objectives: the Pareto front, as Optuna finds it
+        results["best_trials"] = [{"number": t.number, "params": t.params, "values": t.values}
+                                  for t in study.best_trials]
     folder = Path(str(config.hydra.sweep.dir))
     folder.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(results), folder / "optimization_results.yaml")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import plots
 from orchestrate.cluster import ray_cluster, warm
 from orchestrate.redact import redact_override
-from orchestrate.sweeps import _server, _summary, plan, remote
+from orchestrate.sweeps import _server, _summary, compare, pareto, plan, remote
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.slurm import is_slurm
 from orchestrate.tracking.handover import ParentRun
@@ -168,6 +168,7 @@ class Sweep:
                          if c.info.status == "FINISHED" and TRIAL_KEY in c.data.tags}
         # A grid's trials are known now: the summary lists the ones the sweep never reached.
         self.planned = plan.trials(config) if plan.is_grid(config) else []
+        self.comparison = compare.is_comparison(plan.search_space(config))
 
     def parent(self) -> ParentRun:
         return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
@@ -240,6 +241,10 @@ class Sweep:
         try:
             rows = self.rows()
             text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance, self.settings.lower)
+            if len(self.settings.objectives) > 1:
+                text += "\n\n" + self.log_front(rows)
+            if self.comparison:
+                text = self.log_comparison(rows) + "\n\n" + text
             self.client.log_text(self.run_id, text, "summary.md")
             self.log_chart(rows)
             failed = [r for r in rows if r.status not in _summary.DONE]
@@ -257,6 +262,91 @@ class Sweep:
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
               f"{text}\n{timing}\nstart: {warm.start_line(ray_cluster.how(), self.server_warm)}\n"
               f"{open_ui(self.settings.tracking_uri, self.experiment_id)}", flush=True)
+
+    def log_comparison(self, rows: list[_summary.Row]) -> str:
+        """A comparison's summary (orchestrate.sweeps.compare) on the parent: its table as text and
+        as an MLflow table, its chart, its verdicts as tags, and the config keys that differ
+        between its configurations (only those) as a tag and a table."""
+        settings = self.settings.compare or {}
+        repeats = []
+        for r in rows:
+            run = self.client.get_run(r.run_id) if r.run_id else None
+            params = dict(run.data.params) if run else {}
+            repeats.append(compare.Repeat(
+                group=compare.group_of(r.name), status=r.status, run_id=r.run_id, start_ms=r.start_ms,
+                metrics={k.removeprefix("final/"): v for k, v in r.metrics.items() if k.startswith("final/")},
+                losses=[(m.step, m.value) for m in self.history(r.run_id, "train/loss")],
+                evals=[(m.timestamp, m.value) for m in self.history(r.run_id, "eval/loss")],
+                repeat=int(params.get(compare.REPEAT_KEY, 0)), params=params))
+        result = compare.compare(repeats, settings.get("baseline", "torch"), settings.get("target"),
+                                 settings.get("confidence", 0.95))
+        configs = {}
+        for r in repeats:
+            configs.setdefault(r.group, {k: v for k, v in r.params.items() if not k.startswith(("cpu.", "tracking."))})
+        differs = compare.differing(configs)
+        text = f"comparison ({result.repeats} repeat(s) of each configuration):\n{result.table()}"
+        if differs:
+            text += "\n\nwhat differs between the configurations: " + "; ".join(
+                f"{k} ({', '.join(f'{g}: {v}' for g, v in values.items())})" for k, values in differs.items())
+        self.client.log_table(self.run_id, data=comparison_columns(result), artifact_file="comparison.json")
+        for key, line in result.verdicts().items():
+            self.client.set_tag(self.run_id, f"compare.verdict.{key}", line[:5000])
+        self.client.set_tag(self.run_id, "compare.differs", ", ".join(differs)[:5000] or "(nothing)")
+        with tempfile.TemporaryDirectory() as tmp:
+            png = plots.comparison(result, Path(tmp) / "comparison.png")
+            self.client.log_artifact(self.run_id, str(png))
+        return text
+
+    def log_front(self, rows: list[_summary.Row]) -> str:
+        """A sweep over several objectives: the Pareto front (the finished trials no other one
+        dominates) printed, as an MLflow table and a chart on the parent, tagged on the front's
+        child runs, and, with tracking.register_model, an alias per objective on the front's best
+        version by it."""
+        objectives = self.settings.objectives
+        minimize = [low for _, low in objectives]
+        points = {r.index: [r.metrics.get(f"final/{m}") for m, _ in objectives] for r in rows
+                  if r.status in _summary.DONE and r.pruned_at is None}
+        points = {i: v for i, v in points.items() if None not in v}
+        on_front = set(pareto.front(points, minimize))
+        by_index = {r.index: r for r in rows}
+        text = _summary.front_table([by_index[i] for i in sorted(on_front)], objectives, len(points))
+        columns = {"trial": [], "overrides": [], **{m: [] for m, _ in objectives}, "on_front": []}
+        for i, values in sorted(points.items()):
+            columns["trial"].append(i)
+            columns["overrides"].append(by_index[i].name)
+            for (m, _), v in zip(objectives, values):
+                columns[m].append(v)
+            columns["on_front"].append(i in on_front)
+        self.client.log_table(self.run_id, data=columns, artifact_file="pareto_front.json")
+        self.client.set_tag(self.run_id, "orchestrate.pareto_front", ",".join(f"#{i}" for i in sorted(on_front)))
+        for i in on_front:
+            self.client.set_tag(by_index[i].run_id, "orchestrate.pareto_front", "true")
+        with tempfile.TemporaryDirectory() as tmp:
+            png = plots.pareto(points, on_front, [m for m, _ in objectives], Path(tmp) / "pareto_front.png")
+            self.client.log_artifact(self.run_id, str(png))
+        if self.settings.register_model and on_front:
+            text += "\n" + self.front_aliases({i: points[i] for i in on_front}, by_index)
+        return text
+
+    def front_aliases(self, front: dict[int, list[float]], by_index: dict[int, _summary.Row]) -> str:
+        """On the registered model, `best_<metric>` on the version of the front's best trial by
+        each objective, and the tag pareto_front=true on every front version."""
+        name, said = self.settings.register_model, []
+        versions = {}
+        for i in front:
+            found = self.client.search_model_versions(f"name='{name}' and run_id='{by_index[i].run_id}'")
+            if found:
+                versions[i] = max(found, key=lambda v: int(v.version))
+                self.client.set_model_version_tag(name, versions[i].version, "pareto_front", "true")
+        for k, (metric, low) in enumerate(self.settings.objectives):
+            ranked = sorted((i for i in front if i in versions), key=lambda i: front[i][k], reverse=not low)
+            if ranked:
+                self.client.set_registered_model_alias(name, f"best_{metric}", versions[ranked[0]].version)
+                said.append(f"models:/{name}@best_{metric} (trial {ranked[0]})")
+        return f"registered: {', '.join(said)}" if said else f"registered: no version of {name} came from the front"
+
+    def history(self, run_id: str | None, key: str) -> list:
+        return self.client.get_metric_history(run_id, key) if run_id else []
 
     def log_chart(self, rows: list[_summary.Row]) -> None:
         curves = {}
@@ -283,3 +373,16 @@ class Sweep:
         if server is not None:
             self.server_warm = server.warm  # for the summary, printed once it is stopped
             server.stop()
+
+
+def comparison_columns(result: "compare.Comparison") -> dict[str, list]:
+    """The comparison's figures as an MLflow table: a row per configuration, mean and interval
+    ends per figure (MLflow's UI shows it under the parent run's artifacts)."""
+    columns: dict[str, list] = {"configuration": [g.name for g in result.groups],
+                                "runs": [len(g.repeats) for g in result.groups]}
+    for key, _, _, _ in compare.FIGURES:
+        for part in ("mean", "low", "high"):
+            columns[f"{key}_{part}"] = [getattr(g.figures[key], part) if g.figures.get(key) else None
+                                        for g in result.groups]
+    columns["max_train_loss_gap"] = [g.deviation for g in result.groups]
+    return columns

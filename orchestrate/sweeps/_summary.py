@@ -133,3 +133,16 @@ def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance:
         text += (f"; highest throughput: trial {quick.index} "
                  f"({quick.metrics['final/samples_per_sec']:,.0f} samples/s)")
     return text
+
+
+def front_table(front: list[Row], objectives: list[tuple[str, bool]], finished: int) -> str:
+    """The Pareto front of a sweep over several objectives: the finished trials (not pruned) that
+    no other finished trial dominates (no worse on every objective, better on one)."""
+    names = [f"{m} ({'min' if low else 'max'})" for m, low in objectives]
+    lines = [f"Pareto front: {len(front)} of {finished} finished trials (not pruned), the ones no other "
+             "trial beats on one objective without losing on another",
+             "| trial | overrides | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for r in front:
+        lines.append(f"| {r.index} | {r.name} | " + " | ".join(_cell(r.metrics.get(f"final/{m}"), ".4g")
+                                                            for m, _ in objectives) + " |")
+    return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrate.thirdparty import job_error
 from orchestrate.tracking.handover import ParentRun
@@ -46,14 +46,20 @@ class _Job:
 
 
 class SweepTracking(Callback):
-    def __init__(self, tracking_uri: str, experiment: str, metric: str = "eval_loss", name: str = "none",
+    def __init__(self, tracking_uri: str, experiment: str, metric: Any = "eval_loss", name: str = "none",
                  resume: bool = True, tracking_server: bool = True, tie_tolerance: float = 1e-3,
-                 direction: Any = "minimize") -> None:
+                 direction: Any = "minimize", compare: Any = None, register_model: str | None = None) -> None:
         self.tracking_uri = tracking_uri  # the real store (tracking.uri); trials may write through a server
         self.experiment = experiment
-        self.metric = metric  # sweep.metric: ranks the trials
-        # The sweeper's direction (or sweep.direction): whether the metric is better low or high.
-        self.lower = str(getattr(direction, "value", direction)).lower().removeprefix("direction.") != "maximize"
+        # sweep.metric and the sweeper's direction (or sweep.direction), as (metric, better low)
+        # pairs: the first ranks the trials; several: the summary gives their Pareto front.
+        words = list(direction) if isinstance(direction, (list, tuple, ListConfig)) else [direction]
+        metrics = list(metric) if isinstance(metric, (list, tuple, ListConfig)) else [metric]
+        self.objectives = [(m, str(getattr(d, "value", d)).lower() != "maximize") for m, d in zip(metrics, words)]
+        self.metric, self.lower = self.objectives[0]
+        # A comparison's settings (orchestrate.schema.CompareConf): used when the sweep varies compare.repeat.
+        self.compare = OmegaConf.to_container(compare, resolve=True) if isinstance(compare, DictConfig) else compare
+        self.register_model = register_model  # tracking.register_model: the front's versions get an alias per objective
         self.name = name  # sweep.name: names the parent run
         self.resume = resume  # the same sweep again: same parent run, its FINISHED trials skipped
         self.tracking_server = tracking_server  # SQLite store: one local `mlflow server` takes every trial's writes

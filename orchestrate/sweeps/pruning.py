@@ -17,8 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.sweeps._summary import history_key
-from orchestrate.thirdparty import optuna_trial_id
+from orchestrate.thirdparty import optuna_storage, optuna_trial_id
 
 SWEEPER = "hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper.OrchestrateOptunaSweeper"
 PRUNED_AT = "pruned_at"  # the Optuna trial's user attribute: the step its run stopped at
@@ -32,7 +31,7 @@ class Trial:
     storage: str
     study_name: str
     number: int  # the trial's number in its study, which is the Hydra job's number
-    metric: str  # the history key the pruner is told: `eval/loss` for sweep.metric=eval_loss
+    metrics: list[str]  # sweep.metric: the objective(s) the pruner is told, as final metrics name them (eval_loss)
     pruner: dict  # hydra.sweeper.pruner: each process builds the same pruner to ask it
     _trial: Any = field(default=None, repr=False, compare=False)
     _storage: Any = field(default=None, repr=False, compare=False)  # what the study was opened with
@@ -48,16 +47,25 @@ class Trial:
             storage.close()
 
     def report(self, step: int, metrics: dict[str, float], ask: bool = True) -> bool:
-        """Tell the study this evaluation; with `ask`, True when its pruner says the trial should
-        stop here (then recorded in the trial as `pruned_at`)."""
-        if self.metric not in metrics:
+        """Tell the study this evaluation (`metrics`: the final metrics as they stand now,
+        orchestrate.meter.Meter.so_far); with `ask`, True when its pruner says the trial should
+        stop here (then recorded in the trial as `pruned_at`). With several objectives the values
+        are recorded for orchestrate.sweeps.dominated, which Optuna's own report refuses."""
+        if any(m not in metrics for m in self.metrics):
             return False
         trial = self._open()
-        trial.report(float(metrics[self.metric]), step)
-        if not ask or not trial.should_prune():
-            return False
-        trial.set_user_attr(PRUNED_AT, step)
-        return True
+        if len(self.metrics) == 1:
+            trial.report(float(metrics[self.metrics[0]]), step)
+            stop = ask and trial.should_prune()
+        else:
+            from orchestrate.sweeps import dominated
+
+            trial.set_user_attr(f"{dominated.VALUES_AT}{step}", [float(metrics[m]) for m in self.metrics])
+            frozen = optuna_storage(trial.study).get_trial(optuna_trial_id(trial.study, trial=trial))
+            stop = ask and trial.study.pruner.prune(trial.study, frozen)
+        if stop:
+            trial.set_user_attr(PRUNED_AT, step)
+        return stop
 
     def _open(self):
         if self._trial is None:
@@ -114,8 +122,9 @@ def of_this_job(cfg: DictConfig) -> Trial | None:
     pruner = OmegaConf.to_container(sweeper.pruner, resolve=True) if sweeper.get("pruner") else None
     if not pruner or pruner.get("_target_") == "optuna.pruners.NopPruner":
         return None  # nothing will ever be pruned: no report is worth its write to the storage
+    metrics = [cfg.sweep.metric] if isinstance(cfg.sweep.metric, str) else list(cfg.sweep.metric)
     return Trial(storage=sweeper.storage, study_name=sweeper.study_name, number=int(hydra_cfg.job.num),
-                 metric=history_key(cfg.sweep.metric), pruner=pruner_settings(pruner, cfg.trainer))
+                 metrics=metrics, pruner=pruner_settings(pruner, cfg.trainer))
 
 
 # Evaluations a trial makes before the first rung of `min_resource: auto`: its grace period.
