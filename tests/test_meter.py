@@ -120,7 +120,7 @@ class StopAt:
         self.step, self.told, self.asked = step, [], []
 
     def report(self, step, metrics, ask=True):
-        self.told.append((step, metrics["eval/loss"]))
+        self.told.append((step, metrics["eval_loss"]))
         if ask:
             self.asked.append(step)
         return ask and step >= self.step

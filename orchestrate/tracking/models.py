@@ -123,7 +123,11 @@ def add_version(client, register: Registration, model_id: str, run_id: str, metr
     try:
         client.get_registered_model(register.name)
     except MlflowException:
-        client.create_registered_model(register.name)
+        try:
+            client.create_registered_model(register.name)
+        except MlflowException as e:  # a sweep's other trial created it in between
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
     # The model's own artifact location, not `models:/<id>`: MLflow's SQL registry looks such a URI
     # up through the process-wide tracking URI (its own TODO), which a run does not set.
     location = client.get_logged_model(model_id).artifact_location
