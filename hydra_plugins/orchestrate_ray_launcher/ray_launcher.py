@@ -33,6 +33,9 @@ class OrchestrateRayLauncherConf:
     cpus_per_trial: float = 1
     # GPUs each job asks for (fractions share a GPU); Ray sets CUDA_VISIBLE_DEVICES in the job.
     gpus_per_trial: float = 0
+    # Run every job in a new worker process (Ray's max_calls=1), not one that ran an earlier job:
+    # no job inherits another's imports, caches or memory (a comparison's timings and memory peaks).
+    process_per_trial: bool = False
     # Stop the sweep at the first failed job: cancel the jobs still pending or running, raise its error.
     fail_fast: bool = False
     # A job's resources not free anywhere within this many seconds (too few on every node, no GPU,

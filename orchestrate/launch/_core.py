@@ -210,7 +210,7 @@ def run(jobs: list[SweepJob], launcher, barrier: "OutputBarrier") -> list[JobRet
     import ray
 
     conf = launcher.conf
-    remote = _remote_run_job()
+    remote = _remote_run_job(conf.process_per_trial)
     options = dict(num_cpus=conf.cpus_per_trial, num_gpus=conf.gpus_per_trial, max_retries=0)
     # Shipped once to the object store, not once per job.
     shared = [ray.put(launcher.hydra_context), ray.put(launcher.task_function)]
@@ -314,12 +314,14 @@ def cancel(refs: list, wait_s: float = CANCEL_WAIT_S) -> None:
 
 
 @functools.cache
-def _remote_run_job():
+def _remote_run_job(process_per_trial: bool = False):
     """`_run_job` as a Ray remote function, made once: Ray exports a function each time one is
-    made (and warns past 100), and an Optuna sweep launches once per batch."""
+    made (and warns past 100), and an Optuna sweep launches once per batch. `process_per_trial`:
+    its worker exits after the job, so that the next starts in a new process (Ray's max_calls,
+    which only the function's own options take)."""
     import ray
 
-    return ray.remote(_run_job)
+    return ray.remote(max_calls=1)(_run_job) if process_per_trial else ray.remote(_run_job)
 
 
 def collect(ref, job: SweepJob) -> tuple[JobReturn, bool, bool]:

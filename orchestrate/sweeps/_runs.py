@@ -268,16 +268,8 @@ class Sweep:
         as an MLflow table, its chart, its verdicts as tags, and the config keys that differ
         between its configurations (only those) as a tag and a table."""
         settings = self.settings.compare or {}
-        repeats = []
-        for r in rows:
-            run = self.client.get_run(r.run_id) if r.run_id else None
-            params = dict(run.data.params) if run else {}
-            repeats.append(compare.Repeat(
-                group=compare.group_of(r.name), status=r.status, run_id=r.run_id, start_ms=r.start_ms,
-                metrics={k.removeprefix("final/"): v for k, v in r.metrics.items() if k.startswith("final/")},
-                losses=[(m.step, m.value) for m in self.history(r.run_id, "train/loss")],
-                evals=[(m.timestamp, m.value) for m in self.history(r.run_id, "eval/loss")],
-                repeat=int(params.get(compare.REPEAT_KEY, 0)), params=params))
+        repeats = [read_repeat(self.client, self.client.get_run(r.run_id), r.name, r.status) if r.run_id else
+                   compare.Repeat(group=compare.group_of(r.name), status=r.status) for r in rows]
         result = compare.compare(repeats, settings.get("baseline", "torch"), settings.get("target"),
                                  settings.get("confidence", 0.95))
         configs = {}
@@ -345,9 +337,6 @@ class Sweep:
                 said.append(f"models:/{name}@best_{metric} (trial {ranked[0]})")
         return f"registered: {', '.join(said)}" if said else f"registered: no version of {name} came from the front"
 
-    def history(self, run_id: str | None, key: str) -> list:
-        return self.client.get_metric_history(run_id, key) if run_id else []
-
     def log_chart(self, rows: list[_summary.Row]) -> None:
         curves = {}
         for r in rows:
@@ -386,3 +375,14 @@ def comparison_columns(result: "compare.Comparison") -> dict[str, list]:
                                         for g in result.groups]
     columns["max_train_loss_gap"] = [g.deviation for g in result.groups]
     return columns
+
+
+def read_repeat(client: MlflowClient, run, name: str, status: str) -> "compare.Repeat":
+    """A comparison's trial (`name`: its overrides) as its MLflow run holds it."""
+    params = dict(run.data.params)
+    return compare.Repeat(
+        group=compare.group_of(name), status=status, run_id=run.info.run_id, start_ms=run.info.start_time,
+        metrics={k.removeprefix("final/"): v for k, v in run.data.metrics.items() if k.startswith("final/")},
+        losses=[(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")],
+        evals=[(m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "eval/loss")],
+        repeat=int(params.get(compare.REPEAT_KEY, 0)), params=params)

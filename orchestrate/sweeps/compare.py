@@ -126,6 +126,7 @@ class Group:
     repeats: list[Repeat]
     figures: dict[str, Interval | None] = field(default_factory=dict)
     reached: int = 0  # repeats that reached the target
+    best_eval: float | None = None  # the lowest eval loss any of its repeats reached
     deviation: float | None = None  # the largest |train loss - the baseline's| at the same step of the same repeat
 
 
@@ -156,7 +157,9 @@ class Comparison:
                 cell = value.shown(spec) if value else ""
                 if key == "time_to_target" and value and g.reached < len(g.repeats):
                     cell += f" ({g.reached} of {len(g.repeats)} reached it)"
-                cells.append(cell or ("not reached" if key == "time_to_target" and self.target is not None else ""))
+                if key == "time_to_target" and not value and self.target is not None and g.best_eval is not None:
+                    cell = f"not reached (best {g.best_eval:.4f})"
+                cells.append(cell)
             cells.append("(baseline)" if g.name == self.baseline else "" if g.deviation is None else f"{g.deviation:.2e}")
             lines.append("| " + " | ".join(cells) + " |")
         target = "none (no baseline run reached an evaluation)" if self.target is None else f"eval loss <= {self.target:.4f}"
@@ -199,6 +202,7 @@ def compare(repeats: list[Repeat], baseline_backend: str, target: float | None, 
         runs = done[name]
         g.figures = {key: Interval.of([r.metrics.get(key) for r in runs], confidence)
                      for key, _, _, _ in FIGURES if key != "time_to_target"}
+        g.best_eval = min((v for r in runs for _, v in r.evals), default=None)
         times = [t for r in runs if target is not None and (t := r.seconds_to(target)) is not None]
         g.reached = len(times)
         g.figures["time_to_target"] = Interval.of(times, confidence)
