@@ -113,6 +113,10 @@ def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Res
     found (thread counts, environment: orchestrate.process)."""
     # ConfigError here: nothing has been written anywhere yet.
     reset_peak_rss()  # the run's own memory peak, in a process that ran others before it
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     job = checked.take(cfg, out_dir) if checked is not None else None
     run_choice = checked.run if job is not None else None
     job = job or Job.prepare(cfg, out_dir)

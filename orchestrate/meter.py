@@ -313,6 +313,10 @@ class Meter:
         self.final.update(self.speed())
         if self.peak_rss_mb and "peak_rss_mb" not in self.final:
             self.final["peak_rss_mb"] = self.peak_rss_mb
+        if self.trainer.device.value == "cuda" and "peak_cuda_mb" not in self.final:
+            import torch  # torch's allocator: every backend's tensors but the on-device API's (ORT's own arena)
+
+            self.final["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
         return dict(self.final)
 
     def close(self) -> None:

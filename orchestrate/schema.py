@@ -212,6 +212,7 @@ SWEEP_METRICS = {
     "step_time_ms": "milliseconds a steady step took",
     "warmup_s": "seconds the first display window took beyond its steps at the steady rate (export, graph build, compile)",
     "peak_rss_mb": "the process's (the runner: its largest worker's) resident memory high-water mark while training",
+    "peak_cuda_mb": "CUDA runs: the most memory torch's allocator held (not ORT's own arena, which the on-device API uses)",
 }
 
 

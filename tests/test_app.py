@@ -58,6 +58,25 @@ def test_only_max_num_checkpoints_stay_on_disk(make_cfg, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_0000025.pt", "step_0000030.pt"]
 
 
+def test_a_run_logs_every_metric_a_sweep_may_name(make_cfg, tmp_path):
+    """schema.SWEEP_METRICS are what sweep.metric may name: a classifier's run on CPU logs each
+    (peak_cuda_mb: CUDA runs only), and its memory peak is this run's, not the process's before."""
+    from orchestrate.schema import SWEEP_METRICS
+
+    from orchestrate.meter import peak_rss_mb
+
+    hog = bytearray(2**30)  # this process held 1 GiB more before the run
+    hog[:: 4096] = b"x" * len(hog[:: 4096])
+    del hog
+    before = peak_rss_mb()
+    cfg = make_cfg("backend=torch", "trainer.max_steps=30", "trainer.display_loss_steps=10")
+    result = app.train(cfg, tmp_path / "out")
+    logged = client_for(cfg.tracking.uri).get_run(result.run_id).data.metrics
+    assert {f"final/{m}" for m in SWEEP_METRICS if m != "peak_cuda_mb"} <= set(logged)
+    assert logged["final/warmup_s"] >= 0 and logged["final/wall_time_s"] > 0
+    assert logged["final/peak_rss_mb"] < before - 500  # the GiB held before the run is not its peak
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_char_transformer_learns_on_every_backend(backend, make_cfg, tmp_path):

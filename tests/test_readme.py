@@ -176,6 +176,9 @@ def nothing_ran(folder: Path, printed: str) -> None:
 
 PROJECT_RUN = dict(where="project", runs=1, tags={"model": "models.MyNet", "data": "models.Wine"})
 PROJECT_TORCH = "python -m orchestrate --config-dir conf model=my_net data=my_data backend=torch"
+COMPARISON = "tests/sweeps/test_compare.py::test_a_comparison_leaves_its_table_chart_and_verdict_on_the_parent_run"
+TWO_OBJECTIVES = ("tests/sweeps/test_pareto.py::"
+                  "test_a_two_objective_sweep_leaves_its_front_on_the_parent_and_aliases_per_objective")
 EXPECTED: dict[str, Expect] = {
     # ---- the two commands, and the package used directly
     "make run": Expect(says=("eval accuracy", "MLflow run"), runs=1, tags={"backend": "ortmodule"}),
@@ -252,6 +255,16 @@ EXPECTED: dict[str, Expect] = {
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
         tags={"backend": "ondevice"}, check=optuna_draws_from_the_search_space,
         long="python -m orchestrate +experiment=lr_search +sweep hydra/sweeper/pruner=successive_halving"),
+    # ---- docs/compare.md: a comparison with repeats, and sweeps over several objectives
+    "python -m orchestrate +sweep=compare": Expect(
+        runs=13, says=("verdict, samples/s:",), long=COMPARISON),
+    "python -m orchestrate +sweep=compare compare.repeats=5 backend=torch,ortmodule model=cnn": Expect(
+        runs=11, says=("verdict, samples/s:",), tags={"model": "orchestrate.tasks.models.ConvNet"}, long=COMPARISON),
+    "python -m orchestrate +sweep=tradeoff": Expect(runs=13, says=("Pareto front:",), long=TWO_OBJECTIVES),
+    "python -m orchestrate +sweep=tradeoff hydra/sweeper/pruner=dominated tracking.register_model=digits": Expect(
+        runs=13, says=("Pareto front:", "models:/digits@best_eval_loss"), long=TWO_OBJECTIVES),
+    "python -m orchestrate +sweep=lr_optuna sweep.metric=[eval_loss,peak_rss_mb] sweep.direction=[minimize,minimize]":
+        Expect(extra=(*SHORT, "hydra.sweeper.n_trials=3"), runs=4, says=("Pareto front:",), long=TWO_OBJECTIVES),
     "python -m orchestrate +experiment=lr_search +sweep hydra/sweeper/pruner=successive_halving": Expect(
         extra=(*SHORT, "hydra.sweeper.n_trials=4"), runs=5, experiment="lr_search", says=("sweep summary",),
         tags={"backend": "ondevice"}, check=pruned_sweep_keeps_its_study_beside_the_store),
