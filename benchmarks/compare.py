@@ -124,12 +124,13 @@ def interval_rows(task: str, results: dict) -> list[str]:
     lines = []
     for r, result in results.items():
         for g in result.groups:
-            rate, ttt = g.figures.get("samples_per_sec"), g.figures.get("time_to_target")
-            lines.append(f"| {task} | {r} | {g.name.removeprefix('backend=')} | {result.target:.4f} | {g.best_eval:.4f} | {rate.shown(',.0f') if rate else ''} | "
-                         f"{ttt.shown('.2f') if ttt else 'not reached'} | "
-                         f"{g.figures['warmup_s'].shown('.2f') if g.figures.get('warmup_s') else ''} | "
-                         f"{g.figures['peak_rss_mb'].shown(',.0f') if g.figures.get('peak_rss_mb') else ''} | "
-                         f"{'baseline' if g.deviation is None else f'{g.deviation:.1e}'} |")
+            cells = [task, str(r), g.name.removeprefix("backend="), f"{result.target:.4f}", f"{g.best_eval:.4f}"]
+            for key, spec in (("samples_per_sec", ",.0f"), ("time_to_target", ".2f"), ("warmup_s", ".2f"),
+                              ("peak_rss_mb", ",.0f")):
+                figure = g.figures.get(key)
+                cells.append(figure.shown(spec) if figure else "not reached" if key == "time_to_target" else "")
+            cells.append("baseline" if g.deviation is None else f"{g.deviation:.1e}")
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

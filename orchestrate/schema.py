@@ -240,7 +240,8 @@ class CompareConf:
     repeats: int = 3  # runs of each configuration; a verdict needs an interval, so at least 2
     repeat: int = 0  # which repeat a run is (the sweep varies it over range(repeats)); nothing else reads it
     baseline: str = "torch"  # the backend whose loss curve the others are measured against, and whose eval loss is the target
-    target: Optional[float] = None  # the eval loss the time to target is measured to; null: the baseline's (the worst of its repeats' best)
+    # The eval loss the time to target is measured to; null: the baseline's (the worst of its repeats' best).
+    target: Optional[float] = None
     confidence: float = 0.95  # of the intervals
 
 

@@ -1,8 +1,12 @@
-"""The guide's pictures of the MLflow UI (docs/tracking.md), taken in a real headless browser against
-a real `mlflow ui`: a backend sweep is run (`+experiment=backend_shootout +sweep`, shortened), then
-the experiment's runs page and the compare view of its trials are saved to docs/.
+"""The guide's pictures of the MLflow UI (docs/tracking.md, docs/compare.md), taken in a real
+headless browser against a real `mlflow ui`: a backend sweep is run (`+experiment=backend_shootout
++sweep`, shortened), then the experiment's runs page and the compare view of its trials are saved
+to docs/. With --compare: a comparison (`+sweep=compare`) and a two-objective sweep
+(`+sweep=tradeoff`) are run instead, and their parent runs' artifacts (the comparison's table and
+chart, the Pareto front's table and chart) are saved as docs/mlflow_comparison*.png and
+docs/mlflow_pareto*.png.
 
-    make screenshots            # or: .venv/bin/python scripts/mlflow_ui_screenshot.py [--steps 100]
+    make screenshots            # or: .venv/bin/python scripts/mlflow_ui_screenshot.py [--steps 100] [--compare]
 
 Needs Chromium (Debian: `apt-get install chromium`) and Playwright's Python client
 (`pip install -c constraints.txt '.[docs]'`); Playwright drives the system's Chromium, it downloads
@@ -38,6 +42,34 @@ def run_sweep(folder: Path, steps: int) -> str:
                     f"trainer.max_steps={steps}", "trainer.progress=false", f"tracking.uri={store}"],
                    cwd=folder, check=True, timeout=1200)
     return store
+
+
+def run_compare_sweeps(folder: Path, steps: int) -> str:
+    """A comparison (two backends, 3 repeats) and a two-objective sweep, in one store."""
+    store = f"sqlite:///{folder}/mlflow.db"
+    common = [f"trainer.max_steps={steps}", "trainer.progress=false", f"tracking.uri={store}",
+              f"tracking.experiment={EXPERIMENT}"]
+    for sweep in (["+sweep=compare", "backend=torch,ondevice"],
+                  ["+sweep=tradeoff", "hydra.sweeper.n_trials=10", "backend=choice(torch,ondevice)"]):
+        subprocess.run([sys.executable, "-m", "orchestrate", *sweep, *common], cwd=folder, check=True, timeout=1200)
+    return store
+
+
+def shoot_parents(page, url: str, experiment_id: str, parents: dict[str, str]) -> list[Path]:
+    """Each parent run's artifacts in the UI: its table (the .json, as MLflow shows a logged
+    table) and its chart (the .png); `parents`: picture name -> (run id, table, chart)."""
+    taken = []
+    for name, (run_id, table, chart) in parents.items():
+        for artifact, suffix in ((table, "_table"), (chart, "")):
+            open_page(page, f"{url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/{artifact}", artifact)
+            page.wait_for_timeout(2500)
+            close = page.get_by_role("button", name="Close")
+            if close.count():
+                close.first.click()
+            path = DOCS / f"mlflow_{name}{suffix}.png"
+            page.screenshot(path=path)
+            taken.append(path)
+    return taken
 
 
 def start_ui(store: str, folder: Path) -> tuple[subprocess.Popen, str]:
@@ -94,6 +126,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150, help="trainer.max_steps of each trial")
     parser.add_argument("--store", help="an MLflow store that already holds a backend_shootout sweep (no new sweep)")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    parser.add_argument("--compare", action="store_true",
+                        help="a comparison and a two-objective sweep: their parent runs' tables and charts")
     args = parser.parse_args()
     try:
         from playwright.sync_api import sync_playwright
@@ -107,17 +141,25 @@ def main() -> int:
     DOCS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        store = args.store or run_sweep(folder, args.steps)
+        store = args.store or (run_compare_sweeps if args.compare else run_sweep)(folder, args.steps)
         client = MlflowClient(store)
         experiment = client.get_experiment_by_name(EXPERIMENT)
-        trials = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+        runs = client.search_runs([experiment.experiment_id])
+        trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+        parents = {r.info.run_name: r.info.run_id for r in runs if r.data.tags.get("orchestrate.role") == "sweep"}
         ui, url = start_ui(store, folder)
         try:
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
                 page = browser.new_page(viewport={"width": 1600, "height": 1000})
                 try:
-                    shoot(page, url, experiment.experiment_id, [r.info.run_id for r in trials])
+                    if args.compare:
+                        taken = shoot_parents(page, url, experiment.experiment_id, {
+                            "comparison": (parents["sweep-compare"], "comparison.json", "comparison.png"),
+                            "pareto": (parents["sweep-tradeoff"], "pareto_front.json", "pareto_front.png")})
+                    else:
+                        shoot(page, url, experiment.experiment_id, [r.info.run_id for r in trials])
+                        taken = [DOCS / "mlflow_runs.png", DOCS / "mlflow_compare.png"]
                 except Exception:
                     page.screenshot(path=folder.parent / "mlflow_ui_failed.png")
                     print(f"the page at the failure: {folder.parent / 'mlflow_ui_failed.png'}", file=sys.stderr)
@@ -130,7 +172,7 @@ def main() -> int:
                 ui.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 ui.kill()
-    print(f"wrote {DOCS / 'mlflow_runs.png'} and {DOCS / 'mlflow_compare.png'} ({len(trials)} trials compared)")
+    print(f"wrote {', '.join(map(str, taken))} ({len(trials)} trials)")
     return 0
 
 

@@ -61,9 +61,8 @@ def test_only_max_num_checkpoints_stay_on_disk(make_cfg, tmp_path):
 def test_a_run_logs_every_metric_a_sweep_may_name(make_cfg, tmp_path):
     """schema.SWEEP_METRICS are what sweep.metric may name: a classifier's run on CPU logs each
     (peak_cuda_mb: CUDA runs only), and its memory peak is this run's, not the process's before."""
-    from orchestrate.schema import SWEEP_METRICS
-
     from orchestrate.meter import peak_rss_mb
+    from orchestrate.schema import SWEEP_METRICS
 
     hog = bytearray(2**30)  # this process held 1 GiB more before the run
     hog[:: 4096] = b"x" * len(hog[:: 4096])
