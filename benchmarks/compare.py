@@ -93,11 +93,11 @@ def auto_picks(task: str, runs: int, folder: Path) -> list[str]:
     return picks
 
 
-def behind(result: compare.Comparison, backend: str) -> bool:
-    """Whether the samples/s intervals put `backend` clearly behind some other backend."""
-    mine = next((g.figures.get("samples_per_sec") for g in result.groups if g.name == f"backend={backend}"), None)
-    return mine is not None and any(
-        g.figures.get("samples_per_sec") and g.figures["samples_per_sec"].low > mine.high for g in result.groups)
+def behind(result: compare.Comparison, backend: str, key: str, higher_better: bool) -> bool:
+    """Whether the intervals of `key` put `backend` clearly behind some other backend."""
+    mine = next((g.figures.get(key) for g in result.groups if g.name == f"backend={backend}"), None)
+    others = [g.figures[key] for g in result.groups if g.figures.get(key) is not None]
+    return mine is not None and any(mine.clear_of(o) and (o.mean > mine.mean) == higher_better for o in others)
 
 
 TRADEOFF = ["+sweep=tradeoff", "hydra.sweeper.n_trials=24", "backend=choice(torch,compile,ortmodule,ondevice)",
@@ -173,8 +173,9 @@ def main() -> None:
             print(f"{task}: backend=auto, {args.auto_runs} runs", flush=True)
             chosen = auto_picks(task, args.auto_runs, Path(tmp) / f"{task}-auto")
             final = results[args.repeats]
-            picks.append(f"| {task} | {', '.join(chosen)} | {final.verdicts()['samples_per_sec']} | "
-                         f"{sum(behind(final, c) for c in chosen)} of {len(chosen)} |")
+            picks.append(f"| {task} | {', '.join(chosen)} | "
+                         f"{sum(behind(final, c, 'samples_per_sec', True) for c in chosen)} of {len(chosen)} | "
+                         f"{sum(behind(final, c, 'time_to_target', False) for c in chosen)} of {len(chosen)} |")
         sweeps = {}
         if not args.no_sweeps:
             for pruned in (False, True):
@@ -186,8 +187,8 @@ def main() -> None:
             "the eval loss every backend reached in every repeat:", "", *lines, "",
             "| task | R | verdict on samples/s | verdict on time to target |", "|---|---|---|---|", *verdicts, "",
             f"`backend=auto` on the same task and steps, {args.auto_runs} fresh commands each:", "",
-            "| task | auto picked | the comparison's verdict (samples/s, R = 5) | picks the intervals put behind |",
-            "|---|---|---|---|", *picks]
+            "| task | auto picked | picks the samples/s intervals (R = 5) put behind | picks the time-to-target "
+            "intervals put behind |", "|---|---|---|---|", *picks]
     if sweeps:
         everyone = [v for s in sweeps.values() for v in s["points"].values()]
         reference = [max(v[k] for v in everyone) * 1.1 for k in range(2)]
