@@ -60,8 +60,9 @@ def shoot_parents(page, url: str, experiment_id: str, parents: dict[str, str]) -
     table) and its chart (the .png); `parents`: picture name -> (run id, table, chart)."""
     taken = []
     for name, (run_id, table, chart) in parents.items():
+        open_page(page, f"{url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts", table)
         for artifact, suffix in ((table, "_table"), (chart, "")):
-            open_page(page, f"{url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/{artifact}", artifact)
+            page.get_by_text(artifact, exact=True).first.click()  # the artifact tree's entry
             page.wait_for_timeout(2500)
             close = page.get_by_role("button", name="Close")
             if close.count():

@@ -4,6 +4,7 @@ and the summary on it (`Sweep`, in the launching process), and each trial's nest
 
 import contextlib
 import json
+import math
 import logging
 import tempfile
 import time
@@ -371,10 +372,15 @@ def comparison_columns(result: "compare.Comparison") -> dict[str, list]:
                                 "runs": [len(g.repeats) for g in result.groups]}
     for key, _, _, _ in compare.FIGURES:
         for part in ("mean", "low", "high"):
-            columns[f"{key}_{part}"] = [getattr(g.figures[key], part) if g.figures.get(key) else None
+            columns[f"{key}_{part}"] = [shown(getattr(g.figures[key], part)) if g.figures.get(key) else None
                                         for g in result.groups]
-    columns["max_train_loss_gap"] = [g.deviation for g in result.groups]
+    columns["max_train_loss_gap"] = [shown(g.deviation) for g in result.groups]
     return columns
+
+
+def shown(value: float | None) -> float | None:
+    """A figure to 4 significant digits: what the intervals can tell apart, for the UI's table."""
+    return None if value is None or math.isnan(value) else float(f"{value:.4g}")
 
 
 def read_repeat(client: MlflowClient, run, name: str, status: str) -> "compare.Repeat":
