@@ -386,8 +386,9 @@ def build(node: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
     given = [k for k in node if not str(k).startswith("_")]
     unknown = [k for k in given if k not in allowed and "kwargs" not in parameters]
     if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key for {node._target_}; allowed keys: "
-                          f"{', '.join(allowed)}{how_to_drop(key, unknown[0], node._target_)}")
+        named = ", ".join(f"{key}.{k}" for k in unknown)
+        raise ConfigError(f"{named}: unknown key{'s' if len(unknown) > 1 else ''} for {node._target_}; allowed keys: "
+                          f"{', '.join(allowed)}{how_to_drop(key, unknown, node._target_)}")
     for name in given:
         # e.g. model=char_transformer with data=digits: model.vocab_size is ${data.vocab_size},
         # which digits lacks (OmegaConf's own error names neither key).
@@ -423,14 +424,16 @@ def build(node: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(refused(node, key, target, args, e)) from None
 
 
-def how_to_drop(key: str, name: str, target: str) -> str:
-    """How to get rid of a key the target does not take. Typically `model._target_=pkg.MyNet` on
-    the command line keeps the default group file's keys (model.in_features): delete one with
-    `~`, or, cleaner, give the class a config file of its own in the user's config folder."""
+def how_to_drop(key: str, names: list[str], target: str) -> str:
+    """How to get rid of the keys the target does not take (all of them). Typically
+    `model._target_=pkg.MyNet` on the command line keeps the default group file's keys
+    (model.in_features, model.hidden): delete each with `~`, or, cleaner, give the class a config
+    file of its own in the user's config folder."""
     if key not in ("backend", "model", "data", "optimizer"):
         return ""  # e.g. backend.engine: the engine's own conf/backend file is wrong
     stem = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", target.rsplit(".", 1)[-1]).lower()
-    return (f"; drop it with ~{key}.{name}, or give {target} a config file of its own "
+    drops = " ".join(f"~{key}.{n}" for n in names)
+    return (f"; drop {'it' if len(names) == 1 else 'them'} with {drops}, or give {target} a config file of its own "
             f"({key}/{stem}.yaml in a folder passed with --config-dir, then {key}={stem})")
 
 

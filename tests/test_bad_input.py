@@ -98,7 +98,7 @@ CASES = [
     (["trainer.max_steps=${oc.env:NOPE_X}"], "Environment variable 'NOPE_X' not found"),
     # unknown _target_s
     (["model._target_=nonexistent_pkg.X"], "model._target_=nonexistent_pkg.X: cannot import it"),
-    (["model._target_=os.system"], "model.in_features: unknown key for os.system"),
+    (["model._target_=os.system"], "model.in_features, model.out_features, model.hidden: unknown keys for os.system"),
     # malformed override syntax
     (["trainer.max_steps=[1"], "no viable alternative at input '[1'"),
     (["trainer.max_steps=1)"], "Error parsing override 'trainer.max_steps=1)'"),

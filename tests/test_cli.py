@@ -98,17 +98,20 @@ BAD_INPUT = [
                                          "torch.nn.Linear a config file of its own (model/linear.yaml in a folder "
                                          "passed with --config-dir, then model=linear)"),
     (["data._target_=orchestrate.tasks.data.PythonSource"],
-     "data.num_features: unknown key for orchestrate.tasks.data.PythonSource; allowed keys: files, block_size, "
-     "vocab_size, max_chars, eval_fraction, loss; drop it with ~data.num_features, or give "
-     "orchestrate.tasks.data.PythonSource a config file of its own (data/python_source.yaml"),
+     "data.num_features, data.num_classes, data.seed: unknown keys for orchestrate.tasks.data.PythonSource; allowed "
+     "keys: files, block_size, vocab_size, max_chars, eval_fraction, loss; drop them with ~data.num_features "
+     "~data.num_classes ~data.seed, or give orchestrate.tasks.data.PythonSource a config file of its own "
+     "(data/python_source.yaml"),
     (["optimizer._target_=torch.optim.Adagrad"],
      "optimizer.betas: unknown key for torch.optim.Adagrad; allowed keys: lr, lr_decay, weight_decay, "
      "initial_accumulator_value, eps, foreach, maximize, differentiable, fused; drop it with ~optimizer.betas, or give "
      "torch.optim.Adagrad a config file of its own (optimizer/adagrad.yaml in a folder passed with --config-dir, then "
      "optimizer=adagrad)"),
     pytest.param(["backend._target_=orchestrate.backends.torch.TorchBackend"],  # ortmodule's keys (the default)
-     "backend.allow_spinning: unknown key for orchestrate.backends.torch.TorchBackend; allowed keys: name, "
-     "intra_op_threads, fused_optimizer; drop it with ~backend.allow_spinning", marks=pytest.mark.ort),
+     "backend.allow_spinning, backend.log_level, backend.save_onnx, backend.fp16_optimizer, backend.options, "
+     "backend.mapped_dimensions: unknown keys for orchestrate.backends.torch.TorchBackend; allowed keys: name, "
+     "intra_op_threads, fused_optimizer; drop them with ~backend.allow_spinning ~backend.log_level ~backend.save_onnx "
+     "~backend.fp16_optimizer ~backend.options ~backend.mapped_dimensions", marks=pytest.mark.ort),
 ]
 
 

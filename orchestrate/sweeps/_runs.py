@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrate import plots
 from orchestrate.cluster import ray_cluster, warm
 from orchestrate.redact import redact_override
-from orchestrate.sweeps import _server, _summary, compare, pareto, plan, remote
+from orchestrate.sweeps import _server, _summary, compare, pareto, plan, pruning, remote
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.slurm import is_slurm
 from orchestrate.tracking.handover import ParentRun
@@ -170,6 +170,9 @@ class Sweep:
         # A grid's trials are known now: the summary lists the ones the sweep never reached.
         self.planned = plan.trials(config) if plan.is_grid(config) else []
         self.comparison = compare.is_comparison(plan.search_space(config))
+        # Whether the sweep prunes (its summary then says how many trials were, none included).
+        pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner")
+        self.pruner = OmegaConf.select(config, "hydra.sweeper._target_") == pruning.SWEEPER and pruner not in (None, "none")
 
     def parent(self) -> ParentRun:
         return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
@@ -241,7 +244,8 @@ class Sweep:
             self.uri, self.client = self.server.uri, MlflowClient(tracking_uri=self.server.uri)
         try:
             rows = self.rows()
-            text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance, self.settings.lower)
+            text = _summary.table(rows, self.settings.metric, self.settings.tie_tolerance, self.settings.lower,
+                                  pruner=self.pruner)
             if len(self.settings.objectives) > 1:
                 text += "\n\n" + self.log_front(rows)
             if self.comparison:

@@ -78,9 +78,10 @@ def _cell(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def table(rows: list[Row], metric: str, tolerance: float, lower: bool = True) -> str:
+def table(rows: list[Row], metric: str, tolerance: float, lower: bool = True, pruner: bool = False) -> str:
     """Markdown table, then one line: the best trial (`lower`: the metric is better low), or the
-    tie and who was fastest in it; for a sweep that pruned, where and the budget spent."""
+    tie and who was fastest in it; for a sweep with a pruner (`pruner`) or one that pruned, where
+    and the budget spent."""
     bests = {r.index: best(r, metric, lower) for r in rows}
     reached = [r for r in rows if r.status in DONE and bests[r.index] is not None]
     target = (max if lower else min)(bests[r.index] for r in reached) if reached else None
@@ -97,7 +98,7 @@ def table(rows: list[Row], metric: str, tolerance: float, lower: bool = True) ->
         lines.append("| " + " | ".join(cells) + " |")
     if reached:
         lines += ["", verdict(reached, bests, metric, tolerance, lower)]
-    if any(r.pruned_at is not None for r in rows):
+    if pruner or any(r.pruned_at is not None for r in rows):
         lines.append(pruning(rows))
     return "\n".join(lines)
 
@@ -108,9 +109,10 @@ def pruning(rows: list[Row]) -> str:
     pruned = [r for r in rows if r.pruned_at is not None]
     counted = [r for r in rows if r.steps_run is not None and r.max_steps]
     run, full = sum(r.steps_run for r in counted), sum(r.max_steps for r in counted)
-    where = ", ".join(f"{r.index} (step {r.pruned_at})" for r in sorted(pruned, key=lambda r: r.index))
-    return (f"pruned: {len(pruned)} of {len(counted)} trials: {where}; trial-steps run: {run:,} of {full:,} "
-            f"without pruning ({100 * run / full:.0f}% of the budget)" if full else f"pruned: {where}")
+    where = ": " + ", ".join(f"{r.index} (step {r.pruned_at})" for r in sorted(pruned, key=lambda r: r.index)) \
+        if pruned else ""
+    return (f"pruned: {len(pruned)} of {len(counted)} trials{where}; trial-steps run: {run:,} of {full:,} "
+            f"without pruning ({100 * run / full:.0f}% of the budget)" if full else f"pruned: {len(pruned)}{where}")
 
 
 def verdict(reached: list[Row], bests: dict[int, float], metric: str, tolerance: float, lower: bool = True) -> str:

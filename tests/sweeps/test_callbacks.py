@@ -166,3 +166,13 @@ def test_a_clear_winner_is_named_and_the_target_is_a_level_every_finished_trial_
     # every trial's first point (0.9 after 0.5 s) is already at the target
     assert [line.split("|")[6].strip() for line in text.splitlines()[2:5]] == ["0.5", "0.5", "0.5"]
     assert text.splitlines()[-1] == "best: trial 1 (optimizer.lr=0.01), eval_loss = 0.3000"
+
+
+def test_a_pruning_sweep_that_pruned_nothing_says_so():
+    rows = [row(0, "optimizer.lr=0.001", (4.0, 0.9), 60_000), row(1, "optimizer.lr=0.01", (2.0, 0.3), 60_000)]
+    for r in rows:
+        r.max_steps = 100
+    assert "pruned:" not in _summary.table(rows, "eval_loss", tolerance=1e-3)  # no pruner: no line
+    text = _summary.table(rows, "eval_loss", tolerance=1e-3, pruner=True)
+    assert text.splitlines()[-1] == ("pruned: 0 of 2 trials; trial-steps run: 200 of 200 without pruning "
+                                     "(100% of the budget)")
