@@ -4,8 +4,8 @@ and the summary on it (`Sweep`, in the launching process), and each trial's nest
 
 import contextlib
 import json
-import math
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Iterator
