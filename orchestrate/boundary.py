@@ -155,6 +155,8 @@ def boundary(where: Where) -> Iterator[Where]:
     itself, a KeyboardInterrupt no row takes) goes on up."""
     try:
         yield where
+    except errors.Escaped as e:  # what a Hydra callback raised past Hydra: its own row
+        _exit(e.error, where)
     except (Exception, KeyboardInterrupt) as e:
         _exit(e, where)
 

@@ -26,6 +26,16 @@ class Failed(Exception):
     its result): the boundary prints its line (and keeps its cause's traceback); exit code 1."""
 
 
+class Escaped(BaseException):
+    """`error` raised where Hydra would catch it and only warn (a callback's hook: Hydra's
+    callbacks wrap each call in `except Exception`): a BaseException passes that, and the boundary
+    gives `error` its own row of the table."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (orchestrate.checkpoints); the message is one line: the
     step, the folder, the cause, and which finished checkpoint is kept."""

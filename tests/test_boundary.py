@@ -59,3 +59,25 @@ def test_every_stage_ends_in_a_row_for_any_exception():
     for stage in (CHECK, RUN, COMMAND):
         rows = [row for row in TABLE if stage in row.stages]
         assert rows[-1].types == (Exception,) and rows[-1].traceback, stage
+
+
+def test_a_sweep_whose_tracking_cannot_start_is_failed_s_row_past_hydra(tmp_path, monkeypatch, capsys):
+    """The sweep callback's error passes Hydra's `except Exception` around callbacks (errors.Escaped)
+    and gets errors.Failed's row: one line, exit 1, the cause's traceback kept."""
+    from omegaconf import OmegaConf
+
+    from orchestrate.errors import Escaped
+    from orchestrate.sweeps import _runs, callbacks
+
+    def refuse(*args):
+        raise RuntimeError("the store is read-only")
+
+    monkeypatch.setattr(_runs, "Sweep", refuse)
+    tracking = callbacks.SweepTracking(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="x")
+    with pytest.raises(Escaped) as escaped:
+        tracking.on_multirun_start(config=OmegaConf.create({}))
+    assert not isinstance(escaped.value, Exception)  # what Hydra's callback wrapper would catch
+    code, said = exits(Where(COMMAND, log_file=str(tmp_path / "sweep.log")), escaped.value, capsys)
+    assert code == 1 and said == ("error: the sweep's MLflow tracking could not start: RuntimeError: the store is "
+                                  f"read-only; full traceback in {tmp_path / 'sweep.log'}")
+    assert "the store is read-only" in (tmp_path / "sweep.log").read_text()

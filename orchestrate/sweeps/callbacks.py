@@ -28,6 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from orchestrate.errors import Escaped, Failed
 from orchestrate.thirdparty import job_error
 from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.settings import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
@@ -80,7 +81,9 @@ class SweepTracking(Callback):
             self._sweep = _runs.Sweep(self, config)
         except Exception as e:
             # Hydra would only warn and run every trial untracked, each a top-level run: stop here.
-            raise SystemExit(f"error: the sweep's MLflow tracking could not start: {type(e).__name__}: {e}") from e
+            failed = Failed(f"the sweep's MLflow tracking could not start: {type(e).__name__}: {e}")
+            failed.__cause__ = e  # its traceback kept (orchestrate.boundary)
+            raise Escaped(failed) from e
         _OPEN.append(self)
         self.parent = self._sweep.parent()
 
