@@ -72,7 +72,7 @@ def comparison(task: str, repeats: int, folder: Path) -> dict:
                  "hydra.launcher.cpus_per_trial=2", "hydra.launcher.process_per_trial=true", *TASKS[task], *COMMON],
                 folder)
     client, parent, children = sweep_runs(folder)
-    runs = [read_repeat(client, c, c.data.tags["orchestrate.trial"], c.info.status) for c in children]
+    runs = [read_repeat(c, c.data.tags["orchestrate.trial"], c.info.status, client.get_metric_history) for c in children]
     client.download_artifacts(parent.info.run_id, "comparison.png", str(folder))
     (DOCS / f"compare_{task}.png").write_bytes((folder / "comparison.png").read_bytes())
     # The sweep's own target is eager torch's eval loss, which a backend whose dropout draws differ

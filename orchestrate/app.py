@@ -113,10 +113,6 @@ def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Res
     found (thread counts, environment: orchestrate.process)."""
     # ConfigError here: nothing has been written anywhere yet.
     reset_peak_rss()  # the run's own memory peak, in a process that ran others before it
-    if cfg.trainer.device == "cuda":
-        import torch
-
-        torch.cuda.reset_peak_memory_stats()
     job = checked.take(cfg, out_dir) if checked is not None else None
     run_choice = checked.run if job is not None else None
     job = job or Job.prepare(cfg, out_dir)
@@ -266,6 +262,5 @@ def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | list[f
 def sweep_value(cfg: DictConfig, metrics: dict[str, float]) -> float | list[float | None] | None:
     """What a trial returns to its sweeper: the final value of sweep.metric, or of each of its
     metrics (a sweep over several objectives) as a list."""
-    if isinstance(cfg.sweep.metric, str):
-        return metrics.get(cfg.sweep.metric)
-    return [metrics.get(m) for m in cfg.sweep.metric]
+    values = [metrics.get(m) for m in schema.listed(cfg.sweep.metric)]
+    return values if len(values) > 1 else values[0]

@@ -114,9 +114,11 @@ def check_sweeper(cfg) -> None:
     from orchestrate.sweeps import compare
     from orchestrate.sweeps.pruning import SWEEPER
 
-    direction_key = "hydra.sweeper.direction" if OmegaConf.select(cfg, "hydra.sweeper.direction") is not None \
-        else "sweep.direction"
-    schema.objectives(cfg.sweep.metric, OmegaConf.select(cfg, direction_key), direction_key)
+    # sweep.direction first: the Optuna sweeper's direction follows it, and the trials (their
+    # registered model's alias, their pruner) read it.
+    schema.objectives(cfg.sweep.metric, cfg.sweep.direction, "sweep.direction")
+    if OmegaConf.select(cfg, "hydra.sweeper.direction") is not None:
+        schema.objectives(cfg.sweep.metric, cfg.hydra.sweeper.direction, "hydra.sweeper.direction")
     compare.check(cfg)
     if OmegaConf.select(cfg, "hydra.sweeper._target_") != SWEEPER:
         return
@@ -125,7 +127,6 @@ def check_sweeper(cfg) -> None:
     _optuna.check_settings(OmegaConf.select(cfg, "hydra.sweeper.direction"),
                            OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
                            str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")),
-                           metric=cfg.sweep.metric,
                            pruner=OmegaConf.select(cfg, "hydra.sweeper.pruner._target_", default=None))
 
 

@@ -109,6 +109,10 @@ class Meter:
     def steps(self, start: int = 1) -> Iterator[int]:
         """Yield 1-based step numbers with a progress bar; time the steps between displays."""
         t = self.trainer
+        if t.device.value == "cuda":  # the peak of this loop's tensors (`summary`), in the process that trains
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
         self._window_loss, self._window_losses, self._window_steps, self._excluded = 0.0, 0, 0, 0.0
         self._window_start = self._run_start = time.perf_counter()
         self._paused_at_start = self.paused()
@@ -313,7 +317,7 @@ class Meter:
         self.final.update(self.speed())
         if self.peak_rss_mb and "peak_rss_mb" not in self.final:
             self.final["peak_rss_mb"] = self.peak_rss_mb
-        if self.trainer.device.value == "cuda" and "peak_cuda_mb" not in self.final:
+        if self.trainer.device.value == "cuda" and self.step and "peak_cuda_mb" not in self.final:
             import torch  # torch's allocator: every backend's tensors but the on-device API's (ORT's own arena)
 
             self.final["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20

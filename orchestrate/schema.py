@@ -47,11 +47,6 @@ class Precision(str, enum.Enum):
     bf16 = "bf16"
 
 
-class Direction(str, enum.Enum):
-    minimize = "minimize"
-    maximize = "maximize"
-
-
 class NonFinite(str, enum.Enum):
     stop = "stop"  # the run stops at that step, FAILED, its last finite checkpoint kept
     skip = "skip"  # that step's update is dropped (as fp16's loss scaler does), counted in train/skipped_steps
@@ -315,8 +310,7 @@ def objectives(metric: Any, direction: Any, direction_key: str) -> list[tuple[st
     """sweep.metric and a direction (`direction_key`: sweep.direction or hydra.sweeper.direction)
     as (metric, minimize) pairs, one per objective; ConfigError for a metric no run logs, a
     direction that is neither minimize nor maximize, or lists of different lengths."""
-    metrics = list(metric) if isinstance(metric, (list, tuple, ListConfig)) else [metric]
-    directions = list(direction) if isinstance(direction, (list, tuple, ListConfig)) else [direction]
+    metrics, directions = listed(metric), listed(direction)
     for name in metrics:
         if name not in SWEEP_METRICS:
             raise ConfigError(f"sweep.metric={name}: no run logs it; allowed: {', '.join(SWEEP_METRICS)} "
@@ -332,6 +326,11 @@ def objectives(metric: Any, direction: Any, direction_key: str) -> list[tuple[st
                           f"sweep.metric={shown_list(metrics)}, {len(metrics)} metric(s): give one direction per "
                           f"metric, e.g. {direction_key}=[{','.join(['minimize'] * len(metrics))}]")
     return [(m, w == "minimize") for m, w in zip(metrics, words)]
+
+
+def listed(value: Any) -> list:
+    """A setting that takes one value or a list of them (sweep.metric, a direction), as a list."""
+    return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
 
 
 def shown_list(values: list) -> str:

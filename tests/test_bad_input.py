@@ -27,6 +27,10 @@ CASES = [
      "gives 1 direction(s) for sweep.metric=[eval_loss,wall_time_s], 2 metric(s): give one direction per metric"),
     (["+sweep=lr_optuna", "hydra.sweeper.direction=[minimize,maximize]"],
      "hydra.sweeper.direction=[minimize,maximize] gives 2 direction(s) for sweep.metric=eval_loss, 1 metric(s)"),
+    # sweep.direction is the source (the Optuna sweeper's follows it): named first, whatever else is set.
+    (["+sweep=lr_optuna", "sweep.metric=[eval_loss,wall_time_s]", "hydra.sweeper.direction=[minimize,minimize]"],
+     "sweep.direction=minimize gives 1 direction(s) for sweep.metric=[eval_loss,wall_time_s], 2 metric(s): give one "
+     "direction per metric, e.g. sweep.direction=[minimize,minimize]"),
     (["+sweep=lr_grid", "sweep.metric=speed"], "sweep.metric=speed: no run logs it; allowed: eval_loss, eval_accuracy"),
     (["+sweep=compare", "compare.repeats=1"], "compare.repeats=1: a comparison's verdict needs an interval"),
     (["+sweep=tradeoff", "hydra/sweeper/pruner=median"],

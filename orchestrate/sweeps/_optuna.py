@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import schema, thirdparty
 from orchestrate.redact import redact_text
@@ -218,8 +218,7 @@ def open_study(conf: dict, config: DictConfig, space: SearchSpace):
 
 def directions_of(value: Any) -> list[str]:
     """[minimize or maximize, ...], one per objective, from a string or a list of them."""
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    return [str(getattr(v, "value", v)).lower() for v in values]
+    return [str(getattr(v, "value", v)).lower() for v in schema.listed(value)]
 
 
 SEVERAL_OBJECTIVES_PRUNERS = ("orchestrate.sweeps.dominated.DominatedPruner", "optuna.pruners.NopPruner")
@@ -444,9 +443,9 @@ def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
                            "sweep.metric name metrics this run logs (eval_accuracy: classifiers only)?")
         study.tell(trial, state=TrialState.FAIL)
         return Outcome(trial.number, overrides, "FAIL", error=error)
-    values = [float(v) for v in values]
-    study.tell(trial, values if len(values) > 1 else values[0])
-    return Outcome(trial.number, overrides, "COMPLETE", values if len(values) > 1 else values[0])
+    told = [float(v) for v in values] if len(values) > 1 else float(values[0])
+    study.tell(trial, told)
+    return Outcome(trial.number, overrides, "COMPLETE", told)
 
 
 def describe(outcome: Outcome) -> str:

@@ -170,6 +170,8 @@ class Sweep:
         # A grid's trials are known now: the summary lists the ones the sweep never reached.
         self.planned = plan.trials(config) if plan.is_grid(config) else []
         self.comparison = compare.is_comparison(plan.search_space(config))
+        self.runs: dict = {}  # run id -> the trial's MLflow run, as `rows` read it
+        self.histories: dict[tuple[str, str], list] = {}  # (run id, metric) -> its curve (`history`)
         # Whether the sweep prunes (its summary then says how many trials were, none included).
         pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner")
         self.pruner = OmegaConf.select(config, "hydra.sweeper._target_") == pruning.SWEEPER and pruner not in (None, "none")
@@ -198,8 +200,14 @@ class Sweep:
         return self.client.search_runs([self.experiment_id], f"tags.`{PARENT_KEY}` = '{self.run_id}'",
                                        max_results=5000)
 
+    def history(self, run_id: str, key: str) -> list:
+        """A run's curve of `key`, asked of the server once for the summary, the comparison and the chart."""
+        if (run_id, key) not in self.histories:
+            self.histories[run_id, key] = self.client.get_metric_history(run_id, key)
+        return self.histories[run_id, key]
+
     def rows(self) -> list[_summary.Row]:
-        """The latest attempt at each trial, as this sweep left it."""
+        """The latest attempt at each trial, as this sweep left it (its MLflow run kept in `runs`)."""
         metric_key = _summary.history_key(self.settings.metric)
         latest = {}
         for run in sorted(self.children(), key=lambda r: r.info.start_time):
@@ -217,7 +225,8 @@ class Sweep:
                     self.client.set_terminated(run.info.run_id, "KILLED")
                 run = self.client.get_run(run.info.run_id)
                 status = "CANCELLED"
-            curve = self.client.get_metric_history(run.info.run_id, metric_key)
+            self.runs[run.info.run_id] = run
+            curve = self.history(run.info.run_id, metric_key)
             max_steps, pruned = run.data.params.get("trainer.max_steps"), run.data.tags.get("pruned")
             rows.append(_summary.Row(
                 index=int(run.data.tags.get(INDEX_KEY, -1)), name=name, status=status, run_id=run.info.run_id,
@@ -273,7 +282,7 @@ class Sweep:
         as an MLflow table, its chart, its verdicts as tags, and the config keys that differ
         between its configurations (only those) as a tag and a table."""
         settings = self.settings.compare or {}
-        repeats = [read_repeat(self.client, self.client.get_run(r.run_id), r.name, r.status) if r.run_id else
+        repeats = [read_repeat(self.runs[r.run_id], r.name, r.status, self.history) if r.run_id else
                    compare.Repeat(group=compare.group_of(r.name), status=r.status) for r in rows]
         result = compare.compare(repeats, settings.get("baseline", "torch"), settings.get("target"),
                                  settings.get("confidence", 0.95))
@@ -347,7 +356,7 @@ class Sweep:
         for r in rows:
             if r.run_id:
                 curves[f"#{r.index} {r.name}"] = {
-                    k: [(m.step, m.value) for m in self.client.get_metric_history(r.run_id, k)]
+                    k: [(m.step, m.value) for m in self.history(r.run_id, k)]
                     for k in ("train/loss", "eval/loss")}
         with tempfile.TemporaryDirectory() as tmp:
             png = plots.loss_curves(curves, Path(tmp) / "trials_loss_curves.png", title="sweep trials")
@@ -387,12 +396,13 @@ def shown(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else float(f"{value:.4g}")
 
 
-def read_repeat(client: MlflowClient, run, name: str, status: str) -> "compare.Repeat":
-    """A comparison's trial (`name`: its overrides) as its MLflow run holds it."""
+def read_repeat(run, name: str, status: str, history) -> "compare.Repeat":
+    """A comparison's trial (`name`: its overrides) as its MLflow run holds it; `history(run id,
+    key)`: the run's curve of a metric."""
     params = dict(run.data.params)
     return compare.Repeat(
         group=compare.group_of(name), status=status, run_id=run.info.run_id, start_ms=run.info.start_time,
         metrics={k.removeprefix("final/"): v for k, v in run.data.metrics.items() if k.startswith("final/")},
-        losses=[(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")],
-        evals=[(m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "eval/loss")],
+        losses=[(m.step, m.value) for m in history(run.info.run_id, "train/loss")],
+        evals=[(m.timestamp, m.value) for m in history(run.info.run_id, "eval/loss")],
         repeat=int(params.get(compare.REPEAT_KEY, 0)), params=params)

@@ -26,9 +26,10 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrate.errors import Escaped, Failed
+from orchestrate.schema import objectives
 from orchestrate.thirdparty import job_error
 from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.settings import NO_RUN_LINKS, ONE_LOGGING_THREAD, set_env
@@ -54,9 +55,7 @@ class SweepTracking(Callback):
         self.experiment = experiment
         # sweep.metric and the sweeper's direction (or sweep.direction), as (metric, better low)
         # pairs: the first ranks the trials; several: the summary gives their Pareto front.
-        words = list(direction) if isinstance(direction, (list, tuple, ListConfig)) else [direction]
-        metrics = list(metric) if isinstance(metric, (list, tuple, ListConfig)) else [metric]
-        self.objectives = [(m, str(getattr(d, "value", d)).lower() != "maximize") for m, d in zip(metrics, words)]
+        self.objectives = objectives(metric, direction, "hydra.sweeper.direction")
         self.metric, self.lower = self.objectives[0]
         # A comparison's settings (orchestrate.schema.CompareConf): used when the sweep varies compare.repeat.
         self.compare = OmegaConf.to_container(compare, resolve=True) if isinstance(compare, DictConfig) else compare

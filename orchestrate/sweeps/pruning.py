@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate.schema import listed
 from orchestrate.thirdparty import optuna_storage, optuna_trial_id
 
 SWEEPER = "hydra_plugins.orchestrate_optuna_sweeper.optuna_sweeper.OrchestrateOptunaSweeper"
@@ -122,9 +123,8 @@ def of_this_job(cfg: DictConfig) -> Trial | None:
     pruner = OmegaConf.to_container(sweeper.pruner, resolve=True) if sweeper.get("pruner") else None
     if not pruner or pruner.get("_target_") == "optuna.pruners.NopPruner":
         return None  # nothing will ever be pruned: no report is worth its write to the storage
-    metrics = [cfg.sweep.metric] if isinstance(cfg.sweep.metric, str) else list(cfg.sweep.metric)
     return Trial(storage=sweeper.storage, study_name=sweeper.study_name, number=int(hydra_cfg.job.num),
-                 metrics=metrics, pruner=pruner_settings(pruner, cfg.trainer))
+                 metrics=listed(cfg.sweep.metric), pruner=pruner_settings(pruner, cfg.trainer))
 
 
 # Evaluations a trial makes before the first rung of `min_resource: auto`: its grace period.

@@ -6,7 +6,8 @@ tags and artifacts that could not be uploaded at once go out through the run's o
 Metric names (MLflow's compare view overlays backends because these never change):
   train/loss, eval/loss, eval/accuracy, perf/samples_per_sec, perf/step_time_ms, lr
 and once at the end: final/train_loss, final/eval_loss, final/eval_accuracy,
-final/samples_per_sec, final/step_time_ms, final/wall_time_s.
+final/samples_per_sec, final/step_time_ms, final/wall_time_s, final/warmup_s, final/peak_rss_mb
+(final/peak_cuda_mb on CUDA): orchestrate.schema.SWEEP_METRICS, what a sweep may rank by.
 """
 
 import logging
