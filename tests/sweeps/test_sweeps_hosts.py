@@ -85,6 +85,27 @@ def test_a_pruned_optuna_sweep_on_other_hosts_reports_everything_to_the_driver(h
         assert common and all(abs(there[s] - alone[s]) < 1e-5 for s in common), (name, there, alone)
 
 
+def test_a_two_objective_sweep_on_other_hosts_prunes_and_keeps_its_front_on_the_driver(hosts, project):
+    """The dominated pruner's records (each evaluation's objectives, as trial attributes) reach the
+    driver's study through the served gRPC proxy, and the front lands on the driver's parent run."""
+    done, _ = orchestrate(hosts, project, "--config-dir", "conf", "model=usernet", "trainer.progress=false",
+                          "+sweep=tradeoff", "backend=choice(torch)", "hydra/sweeper/pruner=dominated",
+                          "hydra.sweeper.pruner.beaten_by=1", "hydra.sweeper.n_trials=4", "trainer.max_steps=60",
+                          "trainer.evaluation_period=10", "trainer.checkpoint_period=0",
+                          f"hydra.launcher.address={hosts.ray_address}", "tracking.experiment=front_on_hosts")
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-5000:]
+    assert {h.address for h in hosts.hosts[1:] if f"ip={h.address})" in printed} == {h.address for h in hosts.hosts[1:]}
+    assert "Pareto front:" in printed and re.search(r"pruned: \d+ of 4 trials", printed)
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    [parent] = client.search_runs([client.get_experiment_by_name("front_on_hosts").experiment_id],
+                                  "tags.`orchestrate.role` = 'sweep'")
+    assert parent.data.tags["orchestrate.pareto_front"].startswith("#")
+    with sqlite3.connect(project / "mlflow-optuna.db") as db:  # written from the other hosts
+        recorded = db.execute("select count(*) from trial_user_attributes where key like 'values_at_%'").fetchone()[0]
+    assert recorded >= 4 * 2  # every trial's evaluations before its end or its pruning
+
+
 def test_a_sweep_whose_trials_could_not_report_back_is_refused_before_anything_starts(hosts, project):
     done, took = orchestrate(hosts, project, *SWEEP, f"hydra.launcher.address={hosts.ray_address}",
                              "tracking.uri=http://127.0.0.1:5000", timeout=60)
