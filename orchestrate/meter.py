@@ -42,7 +42,9 @@ def nonfinite(loss):
 def reset_peak_rss() -> None:
     """Start the process's resident-memory high-water mark again from what it holds now (Linux's
     /proc/self/clear_refs), so that a run in a process that ran others before (a Ray worker's
-    second trial, a warm pool's fork) reports its own peak; elsewhere the lifetime's mark stays."""
+    second trial, a warm pool's fork) reports its own peak; elsewhere the lifetime's mark stays.
+    The one piece of process state a run changes for good: the kernel's counter has no way back,
+    and `getrusage`'s ru_maxrss reads the same counter."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
