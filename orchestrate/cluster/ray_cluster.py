@@ -85,6 +85,8 @@ def on_loopback(address: str) -> bool:
 def _start(address: str | None, key: str, **local_options) -> bool:
     global _WARM
     address = address or os.environ.get("RAY_ADDRESS")
+    if address == "auto":  # resolved here, once: Ray's own `auto` dials the machine's address for a loopback head
+        address = resolve_auto(key)
     warm = None
     if address is None and not _initialized():
         from orchestrate.cluster import warm as warm_stack
@@ -385,6 +387,22 @@ def check_listening(address: str, key: str, timeout_s: float = 5.0, shown: str |
                              "null (a new local Ray), auto, or the address of a running cluster") from None
 
 
+def resolve_auto(key: str) -> str:
+    """The address `auto` names (RAY_ADDRESS, else the Ray started on this machine last), as
+    host:port; RayUnavailable in one line where there is none. Given to `ray.init` resolved: Ray's
+    own `auto` swaps a head's 127.0.0.1 for the machine's network address, where nothing listens,
+    and retries that without end."""
+    _quiet_import()
+    from orchestrate.thirdparty import ray_auto_address
+
+    found = ray_auto_address()
+    if found is None:
+        raise RayUnavailable(f"{key}=auto: no Ray runs on this machine to join (none started with `ray start` or "
+                             "`orchestrate up`, and RAY_ADDRESS is unset); allowed: null (a new local Ray), or the "
+                             "address of a running cluster")
+    return found
+
+
 def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     """Refuse, within about `timeout_s` and before anything opens, a cluster this process cannot
     join: nothing listening (`check_listening`), a token the cluster refuses (or none where it wants
@@ -394,13 +412,7 @@ def check_access(address: str, key: str, timeout_s: float = 5.0) -> None:
     itself reads first. `auto` is the cluster Ray would find (RAY_ADDRESS, else the Ray started on
     this machine last), checked alike; a Ray Client address (`ray://...`) is left to Ray."""
     if address == "auto":
-        from orchestrate.thirdparty import ray_auto_address
-
-        found = ray_auto_address()
-        if found is None:
-            raise RayUnavailable(f"{key}=auto: no Ray runs on this machine to join (none started with `ray start` or "
-                                 "`orchestrate up`, and RAY_ADDRESS is unset); allowed: null (a new local Ray), or the "
-                                 "address of a running cluster")
+        found = resolve_auto(key)
         check_listening(found, key, timeout_s, shown=f"{key}=auto (the cluster at {found})")
         hostport = found
     else:

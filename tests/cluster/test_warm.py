@@ -126,6 +126,21 @@ def test_a_wrong_ray_token_is_refused_in_one_line_before_anything_opens(warm_up,
 
 
 @pytest.mark.slow
+def test_ray_address_auto_joins_a_head_on_loopback(warm_up, tmp_path):
+    """`backend.ray_address=auto` with RAY_ADDRESS naming a head on 127.0.0.1 (as runner.md's
+    elastic command is typed): the runner joins that head. Ray's own `auto` dialled the machine's
+    network address instead, where nothing listens, without end."""
+    _, state, _ = warm_up
+    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state), "RAY_ADDRESS": record(state).ray_address,
+           "RAY_AUTH_MODE": "token"}  # the head's token: Ray's default file, as `up` made it
+    done = subprocess.run([sys.executable, "-m", "orchestrate", "backend=runner", "trainer.num_workers=2",
+                           "backend.ray_address=auto", "trainer.max_steps=20", "trainer.display_loss_steps=10",
+                           "trainer.progress=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "start              warm: joined the Ray cluster it was given" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
 def test_a_head_of_another_ray_version_is_refused_by_name(warm_up, monkeypatch):
     import ray
 
