@@ -117,6 +117,9 @@ INTERNALS = _listed({
     "optuna_trial_id": ("optuna.study.study:Study._study_id*", "optuna.trial._trial:Trial._trial_id*"),
     # ORT's C value under an OrtValue, what Module.copy_buffer_to_parameters takes (ort_c_value)
     "ort_c_value": ("onnxruntime.capi.onnxruntime_inference_collection:OrtValue._ortvalue*",),
+    # the shape inference ORTModule runs on its export, repeated by its check (ortmodule_shape_inference)
+    "ortmodule_shape_inference": (
+        "onnxruntime.training.ortmodule._graph_transition_manager:GraphTransitionManager._infer_shapes",),
     # ORTModule's logger, which its options set (ortmodule_logger)
     "ortmodule_logger": ("onnxruntime.training.ortmodule.ortmodule:ORTModule._logger*",),
     # Hydra's own sweeper and launcher, named as config targets (GRID_SWEEPER, BASIC_LAUNCHER)
@@ -208,6 +211,16 @@ def ort_c_value(value):
     """The C value under an `OrtValue` (what the on-device API's `Module.copy_buffer_to_parameters`
     takes: its Python wrapper passes it on as it is)."""
     return value._ortvalue
+
+
+def ortmodule_shape_inference(exported: bytes) -> None:
+    """ORT's symbolic shape inference on an exported model, with the settings ORTModule gives it
+    after its own export (GraphTransitionManager._infer_shapes); raises what it raises. ORTModule
+    runs it on the first step, inside the run, and a model it fails on fails there."""
+    import onnx
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    SymbolicShapeInference.infer_shapes(onnx.load_from_string(exported), auto_merge=True, guess_output_rank=True)
 
 
 def ortmodule_logger(wrapped) -> logging.Logger:

@@ -345,3 +345,25 @@ class LongerThanItsArrays(Synthetic):
     @property
     def num_train(self) -> int:
         return len(self.x_train) + 2021
+
+
+class TiedEncoderLM(torch.nn.Module):
+    """A character LM as a user writes one: torch's own nn.TransformerEncoder with a causal mask
+    sliced to the sequence length, input and output embeddings tied (CharTransformer's
+    arguments). torch, compile and ORT's on-device API train it; ORT's symbolic shape inference,
+    which ORTModule runs on its export, fails on it (a Reshape, ORT 1.19.2)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 32):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab_size, n_embd)
+        self.pos = torch.nn.Parameter(torch.zeros(block_size, n_embd))
+        layer = torch.nn.TransformerEncoderLayer(n_embd, n_head, 4 * n_embd, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(block_size), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos[:t]
+        return self.head(self.encoder(x, mask=self.mask[:t, :t], is_causal=True))

@@ -17,12 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from orchestrate import extras, ort, thirdparty
+from orchestrate import errors, extras, ort, thirdparty
 from orchestrate.backends.torch import TorchBackend, export_for_training
 from orchestrate.job import model_key
 from orchestrate.schema import ConfigError, shown
@@ -198,6 +199,42 @@ ORTMODULE_OPSET = 17  # onnxruntime-training 1.19.2's ORTModule exports at this 
 _EXPORTS: dict[tuple[str, int], str | None] = {}
 
 
+def export_refused(model: torch.nn.Module, sample: torch.Tensor, opset: int, log_level: str) -> str | None:
+    """Why ORTModule's first step would fail on `model` (its export at `opset`, or ORT's shape
+    inference on that export), in words for the check's line; None if both pass."""
+    try:
+        exported, _ = export_for_training(model, sample, opset, log_level)
+    except Exception as e:  # noqa: BLE001 - whatever the exporter says is the reason
+        return f"cannot be exported by ORTModule at opset {opset}: {type(e).__name__}: {first_line(e)}"
+    try:
+        thirdparty.ortmodule_shape_inference(exported)
+    except Exception as e:  # noqa: BLE001 - whatever ORT's inference says is the reason
+        # ORT's inference fails with bare assertions: the node type it was at is its function's name (_infer_Reshape).
+        at = traceback.extract_tb(e.__traceback__)[-1].name
+        node = f" at a {at.removeprefix('_infer_')} node" if at.startswith("_infer_") else ""
+        said = f": {first_line(e)}" if str(e).strip() else ""
+        return (f"cannot be trained by ORTModule: ORT's symbolic shape inference, which ORTModule runs on its export, "
+                f"fails{node} ({type(e).__name__}{said})")
+    return None
+
+
+def ort_stage(error: BaseException) -> str | None:
+    """Which of ORTModule's steps `error` came out of, by the files its traceback passes through
+    (ORT's shape inference, the export ORTModule runs), or None when not out of ORTModule."""
+    files = [frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(error.__traceback__)]
+    if not any("/onnxruntime/training/ortmodule/" in f for f in files):
+        return None
+    if any(f.endswith("/onnxruntime/tools/symbolic_shape_infer.py") for f in files):
+        return "ORT's symbolic shape inference of ORTModule's export"
+    if any("/torch/onnx/" in f for f in files):
+        return "ORTModule's export of the model"
+    return None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 @dataclass
 class ORTModuleBackend(TorchBackend):
     # ORT's own default sizes the session's thread pool to the physical cores and spins, which made
@@ -225,20 +262,31 @@ class ORTModuleBackend(TorchBackend):
         self.check_export(job)
 
     def check_export(self, job) -> None:
-        """ORTModule exports the model on its first step, at its opset, inside the run: a model it
-        cannot export (an operator ONNX lacks) is refused here instead, before the run opens. The
-        answer is kept per model config and opset: a sweep's trials share their model."""
+        """ORTModule exports the model on its first step, at its opset, and runs ORT's symbolic
+        shape inference on the export, inside the run: a model it cannot export (an operator ONNX
+        lacks) or whose shapes ORT cannot infer (a mask sliced to the sequence length) is refused
+        here instead, before the run opens (the export: about a second; the inference: tens of
+        milliseconds). The answer is kept per model config and opset: a sweep's trials share their model."""
         opset = int(self.options.get("ORTMODULE_ONNX_OPSET_VERSION", ORTMODULE_OPSET))
         key = (model_key(job.cfg), opset)
         if key not in _EXPORTS:
-            try:
-                export_for_training(job.model, job.data.sample_input(), opset, self.log_level)
-                _EXPORTS[key] = None
-            except Exception as e:  # noqa: BLE001 - whatever the exporter says is the reason
-                _EXPORTS[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+            _EXPORTS[key] = export_refused(job.model, job.data.sample_input(), opset, self.log_level)
         if _EXPORTS[key]:
-            raise ConfigError(f"model ({job.cfg.model._target_}) cannot be exported by ORTModule at opset {opset}: "
-                              f"{_EXPORTS[key]}")
+            raise ConfigError(f"model ({job.cfg.model._target_}) {_EXPORTS[key]}; backend=ondevice (ORT's on-device "
+                              "API), backend=torch or backend=compile train it instead")
+
+    def fit(self, job) -> None:
+        """The PyTorch loop (TorchBackend.fit) on the wrapped model; a failure inside ORTModule's
+        export or ORT's shape inference that the check did not foresee says so in the run's
+        error line (`ort_stage`), with what trains the model instead."""
+        try:
+            super().fit(job)
+        except Exception as e:
+            stage = ort_stage(e)
+            if stage:
+                errors.mark(e, what=f"backend=ortmodule: {stage} failed on this model (backend=ondevice, backend=torch "
+                                    "or backend=compile train it instead); ORT said")
+            raise
 
     def wrap(self, model: torch.nn.Module, job) -> torch.nn.Module:
         # ORTModule reads its ORTMODULE_* options from the environment when it is constructed (the
