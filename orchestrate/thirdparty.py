@@ -60,6 +60,7 @@ INTERNALS = _listed({
         "ray._private.ray_logging:global_worker_stdstream_dispatcher",
         "ray._private.ray_logging:stdout_deduplicator",
         "ray._private.ray_logging:stderr_deduplicator",
+        "ray._private.worker:print_worker_logs",
     ),
     # Optuna's own loop state, kept by an asynchronous loop of ours (optuna_optimize_loop)
     "optuna_optimize_loop": (
@@ -289,11 +290,18 @@ def tap_ray_worker_output(take_markers: Callable[[list[str]], tuple[list[str], l
         return None
 
     def release() -> None:
+        # What the deduplicator holds is printed as ray.shutdown() prints it: straight to the
+        # stream (handed to `printer` it went back into the deduplicator, to be printed only
+        # when this process's Ray shut down, after whatever the caller printed next).
+        from ray._private.worker import print_worker_logs
+
         with dispatcher._lock:
             dispatcher.handlers = [(n, printer if h is print_batch else h) for n, h in dispatcher.handlers]
-            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+            for dedup, sink in ((ray_logging.stdout_deduplicator, sys.stdout),
+                                (ray_logging.stderr_deduplicator, sys.stderr)):
                 for held in dedup.flush():
-                    printer(held)
+                    print_worker_logs(held, sink)
+                sink.flush()
 
     return release
 

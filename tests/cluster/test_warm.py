@@ -20,10 +20,18 @@ from tests.commands.test_server import LOOPBACK, listening
 from tests.conftest import sweep_runs
 
 
-def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state)}
-    return subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def orchestrate(*words: str, cwd: Path, state: Path, timeout: int = 300, merged: bool = False,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command on the stack of `state`; `merged`: stderr into stdout, in the order printed."""
+    env = {**os.environ, **(env or {}), "ORCHESTRATE_STATE_DIR": str(state)}
+    return subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, timeout=timeout)
+
+
+def after(printed: str, line_start: str) -> list[str]:
+    """The lines printed after the first line that starts with `line_start`."""
+    lines = printed.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith(line_start)) + 1:]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +71,13 @@ def test_a_sweep_joins_the_warm_ray_and_writes_through_the_warm_server(warm_up):
     tests/test_readme.py runs warm.)"""
     folder, state, _ = warm_up
     served = pool.status(record(state).pool_socket)["served"]
-    short = ["trainer.max_steps=20", "trainer.display_loss_steps=5", "trainer.progress=false"]
-    swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, cwd=folder, state=state)
-    assert swept.returncode == 0, swept.stderr[-3000:]
+    short = ["trainer.max_steps=20", "trainer.display_loss_steps=5"]
+    swept = orchestrate("+sweep=lr_grid", "backend=torch", *short, "trainer.progress=true", cwd=folder, state=state,
+                        merged=True)
+    assert swept.returncode == 0, swept.stdout[-3000:]
+    # The summary is the last thing printed: the trials' progress bars (their worker's stderr, which
+    # Ray's deduplicator held back) came after it.
+    assert not [line for line in after(swept.stdout, "sweep summary") if "pid=" in line], swept.stdout[-3000:]
     assert ("start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running, in a fork of "
             "the warm pool (imports done)") in swept.stdout
     # The sweep's driver and the Ray workers its trials ran in were forks of the pool.
@@ -131,13 +143,14 @@ def test_ray_address_auto_joins_a_head_on_loopback(warm_up, tmp_path):
     elastic command is typed): the runner joins that head. Ray's own `auto` dialled the machine's
     network address instead, where nothing listens, without end."""
     _, state, _ = warm_up
-    env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(state), "RAY_ADDRESS": record(state).ray_address,
-           "RAY_AUTH_MODE": "token"}  # the head's token: Ray's default file, as `up` made it
-    done = subprocess.run([sys.executable, "-m", "orchestrate", "backend=runner", "trainer.num_workers=2",
-                           "backend.ray_address=auto", "trainer.max_steps=20", "trainer.display_loss_steps=10",
-                           "trainer.progress=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {"RAY_ADDRESS": record(state).ray_address, "RAY_AUTH_MODE": "token"}  # the token: Ray's file, as `up` made it
+    done = orchestrate("backend=runner", "trainer.num_workers=2", "backend.ray_address=auto", "trainer.max_steps=20",
+                       "trainer.display_loss_steps=10", "trainer.progress=true", cwd=tmp_path, state=state, env=env,
+                       timeout=180, merged=True)
+    assert done.returncode == 0, done.stdout[-3000:]
     assert "start              warm: joined the Ray cluster it was given" in done.stdout, done.stdout[-2000:]
+    # The run's summary is the last thing printed, the workers' lines before it.
+    assert not [line for line in after(done.stdout, "backend runner:") if "pid=" in line], done.stdout[-3000:]
 
 
 @pytest.mark.slow
