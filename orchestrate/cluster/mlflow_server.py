@@ -86,11 +86,13 @@ class MlflowServer:
         # (orchestrate.tracking.outbox), keep requests in flight below the pool's size; one worker
         # process keeps the connections (40 + 10 overflow) within PostgreSQL's default 100. No
         # job-runner workers (MLflow's GenAI jobs, unused here): 0.55 GiB instead of 2.6 GiB.
+        # The store's URI (a PostgreSQL one holds its password) by the environment, which MLflow's
+        # `--backend-store-uri` reads too: a command line is on every user's process list.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-               "MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "40"}
+               "MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "40", "MLFLOW_BACKEND_STORE_URI": store_uri}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", store_uri, "--serve-artifacts", "--artifacts-destination", str(artifacts)],
+             "--serve-artifacts", "--artifacts-destination", str(artifacts)],
             env=env, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
             # detached (a sweep's own server): out of the terminal's process group, so that Ctrl-C
             # stops the sweep, which then writes its summary through the server and stops it; and

@@ -201,6 +201,21 @@ def test_mlflow_and_postgresql_listen_on_loopback_only(team):
 
 
 @pytest.mark.slow
+def test_no_process_has_the_database_password_on_its_command_line(team):
+    """Every user of the machine reads every process's command line (ps): the password reaches
+    `mlflow server` and its workers by their environment, readable by their user only."""
+    password = (team.data / "postgres.password").read_text().strip()
+    seen = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            seen.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # a process that ended meanwhile
+            continue
+    assert any("mlflow" in line and "server" in line for line in seen)
+    assert not [line for line in seen if password in line]
+
+
+@pytest.mark.slow
 def test_a_second_server_in_front_of_an_existing_postgresql(team, folder):
     """--backend-store-uri: the team's database, reached by another `orchestrate server`; stopping
     that one leaves the database running."""
