@@ -228,31 +228,55 @@ def _private_token() -> None:
     TOKEN.chmod(0o600)
 
 
+# The servers of a Ray head whose ports Ray fixes unless told (`ray start --help`: the client server
+# 10001, the dashboard's agent 52365, ...): each gets a free port of its own, so that a second
+# user's head (or the user's own `ray start`) holding Ray's default takes nothing from this one. Ray
+# binds its client server with SO_REUSEPORT, which lets one user's two heads share a port and
+# refuses another user's: that head then stopped a second after it said it had started.
+HEAD_PORT_FLAGS = ("--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                   "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port")
+SETTLE_S = 1.0  # a head that said it started and still answers after this long has all its servers up
+
+
 def _start_head(num_cpus: int, folder: Path) -> tuple[subprocess.Popen, str, str]:
     from orchestrate.cluster.ports import free_port
 
-    port = free_port()
+    ports = {flag: free_port() for flag in HEAD_PORT_FLAGS}
     temp_dir = tempfile.mkdtemp(prefix="orchestrate-ray-", dir="/tmp")  # short: Ray's socket paths are limited
     env = {**os.environ, **HEAD_ENVIRONMENT}
     with open(folder / "ray-head.log", "w") as head_log:  # the head writes it; this process need not hold it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+             *(f"{flag}={port}" for flag, port in ports.items()),
              "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={temp_dir}"],
             env=env, stdout=head_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # its own process group: Ctrl-C in this terminal later does not reach it
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "Ray runtime started" not in (folder / "ray-head.log").read_text(errors="replace"):
-        if proc.poll() is not None:
-            raise errors.Failed(f"`ray start --head` exited with code {proc.returncode}; its output: "
-                               f"{folder / 'ray-head.log'}")
-        if time.monotonic() > deadline:
-            _stop_pid(proc.pid)
-            raise errors.Failed(f"the Ray head did not start within {START_TIMEOUT_S} s; its output: "
-                               f"{folder / 'ray-head.log'}")
-        time.sleep(0.2)
+    address = f"127.0.0.1:{ports['--port']}"
+    try:
+        _wait_for_head(proc, folder / "ray-head.log", [address, f"127.0.0.1:{ports['--ray-client-server-port']}"])
+    except BaseException:
+        _stop_pid(proc.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     return proc, address, temp_dir
+
+
+def _wait_for_head(proc: subprocess.Popen, head_log: Path, servers: list[str]) -> None:
+    """Until the head said it started, its GCS and client server answer, and it still runs
+    SETTLE_S later (`ray start --block` stops the whole head when one of its processes exits)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    settled = None
+    while settled is None or time.monotonic() < settled:
+        if proc.poll() is not None:
+            raise errors.Failed(f"`ray start --head` exited with code {proc.returncode}; its output: {head_log}")
+        if time.monotonic() > deadline:
+            raise errors.Failed(f"the Ray head did not start within {START_TIMEOUT_S} s (waited for its GCS and client "
+                                f"server at {', '.join(servers)}); its output: {head_log}")
+        if settled is None and "Ray runtime started" in head_log.read_text(errors="replace") and \
+                all(_answers(server) for server in servers):
+            settled = time.monotonic() + SETTLE_S
+        time.sleep(0.2)
 
 
 def _start_pool(workers: int, folder: Path) -> tuple[subprocess.Popen, str]:
@@ -320,6 +344,12 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
                   num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
                   artifacts=str(server.artifacts), pool_socket=pool_socket, pool_pid=supervisor.pid if supervisor else 0,
                   pool_workers=workers)
+    gone = [what for what, answers in (("the Ray head", stack.ray_answers()), ("the MLflow server", stack.server_answers()),
+                                       ("the warm pool", not pool_socket or stack.pool_answers())) if not answers]
+    if gone:  # up only once everything answers: what did start is stopped again
+        _stop_pid(*started, server.proc.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise errors.Failed(f"{' and '.join(gone)} stopped right after starting; their output: {folder}/*.log")
     written = record_path().with_suffix(".tmp")
     written.write_text(json.dumps(asdict(stack), indent=1))
     written.chmod(0o600)
@@ -351,7 +381,8 @@ def _group_alive(pid: int) -> bool:
 
 def down() -> Stack | None:
     """Stop the recorded stack (first the pool: its runs end KILLED while the server still takes
-    that; then the server and the head together) and remove its record."""
+    that; then the server and the head together) and remove its record: every process group the
+    record names, whether or not its head still answers."""
     stack = recorded()
     if stack is None:
         return None

@@ -10,11 +10,12 @@ shown or stopped.
 
 import argparse
 import logging
+import sys
 
 from orchestrate import errors
 from orchestrate.boundary import TOOL, Where, boundary
 from orchestrate.cluster import pool
-from orchestrate.cluster.warm import down, found, up
+from orchestrate.cluster.warm import down, found, recorded, up
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +42,10 @@ def main(argv: list[str]) -> int:
             print(f"already up: {running.describe()}\n`orchestrate down` stops it (then `orchestrate up` starts one "
                   "for another store or size).", flush=True)
             return 0
+        if recorded() is not None:  # its head is gone: what is left of it (pool, server, Ray's agents) goes first
+            stale = down()
+            print(f"the warm stack recorded before ({stale.ray_address}) no longer answered: stopped what was left "
+                  "of it", file=sys.stderr, flush=True)
         stack = up(args.num_cpus, args.store, args.workers)  # errors.Refused for a store it cannot front, Failed for a start
         print(f"up: {stack.describe()}\nCommands on this machine join it by themselves; `orchestrate down` stops it.",
               flush=True)

@@ -7,6 +7,7 @@ ignored in well under a second, with one line."""
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +168,83 @@ def test_a_head_of_another_ray_version_is_refused_by_name(warm_up, monkeypatch):
     assert str(refused.value).startswith(f"backend.ray_address={record(state).ray_address}: the cluster runs Ray 2.60.0 "
                                          "on Python 3.11")
     assert "this process Ray 2.0.0" in str(refused.value)
+
+
+# ---- two users on one machine -------------------------------------------------------------------
+
+UNPRIVILEGED = "nobody"
+
+
+@pytest.fixture
+def other_user():
+    """Run commands as another, unprivileged user (`nobody`), with a home and a work folder of its
+    own: (run(*words) -> CompletedProcess, the work folder, the state folder). It may read (not
+    write) what only root may read: this interpreter lives under root's home (pyenv), which nobody
+    else may enter; that one capability (CAP_DAC_READ_SEARCH) is all it keeps."""
+    import pwd
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.fail("this test starts a second user's processes (setpriv): run it as root, as CI does", pytrace=False)
+    user = pwd.getpwnam(UNPRIVILEGED)
+    home = Path(tempfile.mkdtemp(prefix="orchestrate-user-", dir="/tmp"))
+    (home / "work").mkdir()
+    (home / "state").mkdir(mode=0o700)
+    for path in (home, home / "work", home / "state"):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ORCHESTRATE_STATE_DIR": str(home / "state"), "LANG": "C.UTF-8"}
+    as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+               "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+
+    def run(*words: str, timeout: int = 240) -> subprocess.CompletedProcess:
+        return subprocess.run([*as_user, sys.executable, "-m", "orchestrate", *words], cwd=home / "work", env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    yield run, home / "work", home / "state"
+    run("down")
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def group_gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
+@pytest.mark.slow
+def test_a_second_user_gets_a_warm_stack_of_its_own_beside_others(warm_up, other_user):
+    """A shared machine: this user's warm stack (the session's) and a plain `ray start` head of this
+    user's holding Ray's fixed ports (its client server on 10001) run; an unprivileged user's `up`
+    takes free ports of its own and stays up (its head died a second after `up` said so, Ray's
+    client server refused the port the other user's head held), its sweep runs warm, a stack whose
+    head died is stopped whole by the next `up`, and `down` leaves none of its processes."""
+    from tests.helpers import loopback_cluster
+
+    run, work, state = other_user
+    with loopback_cluster(nodes=1):
+        up = run("up", "--num-cpus", "1", "--workers", "1")
+        assert up.returncode == 0, up.stdout + up.stderr
+        time.sleep(3)  # the old failure: up, then the head gone a second later
+        assert run("up", "--status").returncode == 0
+        first = record(state)
+        assert os.stat(state / "stack.json").st_uid != 0
+        swept = run("+sweep=lr_grid", "backend=torch", "trainer.max_steps=20", "trainer.progress=false")
+        assert swept.returncode == 0, swept.stderr[-3000:]
+        assert "start: warm: joined the Ray head and the MLflow server that `orchestrate up` keeps running" in swept.stdout
+        # Its head dies (killed): the next `up` stops what is left of that stack before it starts another.
+        os.killpg(first.ray_pid, signal.SIGKILL)
+        again = run("up", "--num-cpus", "1", "--workers", "1")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"the warm stack recorded before ({first.ray_address}) no longer answered: stopped what was left of it" \
+            in again.stderr
+        assert all(group_gone(pid) for pid in (first.ray_pid, first.server_pid, first.pool_pid))
+        second = record(state)
+        assert run("down").returncode == 0
+        assert all(group_gone(pid) for pid in (second.ray_pid, second.server_pid, second.pool_pid))
+    assert record(warm_up[1]).ray_answers()  # this user's stack is still up
 
 
 @pytest.mark.slow
