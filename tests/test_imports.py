@@ -1,7 +1,9 @@
 """The package's layers read top-down: no module imports another that imports it back, directly or
 through others, at the top of the file or inside a function (Python resolves a lazy import at call
 time, but the two modules still depend on each other). The graph is read from the source with
-`ast`, nothing imported."""
+`ast`, nothing imported: import statements, and imports by name (`by_name`: a module of the
+package named in a string that is imported or run, `importlib.import_module("...")`, a command's
+table), which count the same."""
 
 import ast
 from pathlib import Path
@@ -38,12 +40,49 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
-        for target in targets:
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+        found |= resolved(targets, name, known)
+    return found | by_name(name, path, known)
+
+
+def resolved(targets, name: str, known: set[str]) -> set[str]:
+    """Each target as the package module it is in (`a.b.c` -> `a.b` where a.b.c is no module)."""
+    found = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
     return found
+
+
+def by_name(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `name` imports by name: a string, other than a docstring, that is a
+    module of the package (`"orchestrate.app"`), a module and an attribute (`"orchestrate.commands.up:main_down"`),
+    or an f-string that begins with one and a dot (`f"orchestrate.backends.{m}"`: that package)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    # A logger's name is a module's name, and imports nothing.
+    loggers = {id(node.args[0]) for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+               and getattr(node.func, "attr", getattr(node.func, "id", "")) == "getLogger"}
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings | loggers:
+            word = node.value.partition(":")[0]
+            if word in known and word not in PACKAGES:  # "orchestrate" alone is an experiment's, a logger's name
+                words.add(word)
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            prefix = str(node.values[0].value)
+            if prefix.endswith(".") and prefix[:-1] in known:
+                words.add(prefix[:-1])
+    return resolved(words, name, known)
+
+
+def by_name_graph() -> dict[str, list[str]]:
+    known = modules()
+    found = {name: sorted(by_name(name, path, set(known))) for name, path in known.items()}
+    return {name: targets for name, targets in found.items() if targets}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -106,14 +145,86 @@ def test_lower_layers_do_not_import_upper_ones():
     assert not {m: t for m, t in wrong.items() if t}
 
 
+# Imports by name, each a decision: the entry's command table, and the backends the warm pool is
+# told to import (by `up`, above it). Nothing below names a module above it (the pool learns what to
+# import from `up`; a sweep's warm-up imports the app by a statement).
+BY_NAME = {
+    "orchestrate.__main__": ["orchestrate.commands.doctor", "orchestrate.commands.server",
+                             "orchestrate.commands.slurm_ray", "orchestrate.commands.sync", "orchestrate.commands.up"],
+    "orchestrate.commands.up": ["orchestrate.backends"],
+    "orchestrate.cluster.warm": ["orchestrate.cluster.pool_process"],  # `up` starts the pool as a program
+}
+
+
+def test_imports_by_name_are_the_ones_listed():
+    assert by_name_graph() == BY_NAME
+
+
+def test_a_by_name_import_is_seen(tmp_path):
+    """The reader itself, on a deliberate violation: a lower module naming an upper one in a string."""
+    known = {"orchestrate.cluster.pool", "orchestrate.app", "orchestrate.backends"}
+    source = tmp_path / "pool.py"
+    source.write_text('"""Names orchestrate.app in its docstring only."""\nimport importlib\n'
+                      'BASE = ("torch", "orchestrate.app")\n'
+                      'def f(m):\n    importlib.import_module(f"orchestrate.backends.{m}")\n')
+    assert imports("orchestrate.cluster.pool", source, known) == {"orchestrate.app", "orchestrate.backends"}
+
+
+def test_the_cluster_layer_imports_nothing_above_it():
+    """orchestrate.cluster (Ray, the warm stack, the pool) runs programs above it and names none
+    of them, by statement or by name."""
+    above = ("orchestrate.app", "orchestrate.cli", "orchestrate.backends", "orchestrate.sweeps", "orchestrate.commands",
+             "orchestrate.launch", "orchestrate.__main__")
+    g = graph()
+    wrong = {m: sorted(t for t in targets if t.startswith(above)) for m, targets in g.items()
+             if m.startswith("orchestrate.cluster")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+# The one place that sets sys.path: a fork of the warm pool becomes the program it is handed as a
+# fresh interpreter would start it (its folder and PYTHONPATH first), which no other way gives.
+SYS_PATH_SET_AT = {"orchestrate/cluster/pool_process.py": "become"}
+
+
+def sys_path_edits(path: Path) -> list[tuple[int, str]]:
+    """(line, enclosing function) of every change to sys.path in the file: an assignment to it or
+    to a slice of it, an augmented assignment, or a call of a list method that changes it."""
+    tree = ast.parse(path.read_text(), str(path))
+    changing = {"insert", "append", "extend", "remove", "pop", "clear", "sort", "reverse", "__setitem__", "__iadd__"}
+
+    def is_sys_path(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+            and node.value.id == "sys"
+
+    found = []
+    for function in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            hit = any(is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)) for t in targets)
+            hit = hit or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                          and node.func.attr in changing and is_sys_path(node.func.value))
+            if hit:
+                found.append((node.lineno, getattr(function, "name", "")))
+    return sorted({(line, max((f for ln, f in found if ln == line), key=len)) for line, _ in found})
+
+
 def test_nothing_edits_the_import_path():
-    """Code finds the package as installed (editable or from the wheel), never by editing sys.path."""
-    edits = [f"{path.relative_to(ROOT)}:{number}"
+    """Code finds the package as installed (editable or from the wheel), never by editing sys.path
+    (in any form: an insert, an assignment, a slice); the one exception is named above, with why."""
+    edits = [f"{path.relative_to(ROOT)}:{line} ({function or 'module'})"
              for folder in ("orchestrate", "hydra_plugins", "tests", "benchmarks", "scripts")
              for path in sorted((ROOT / folder).rglob("*.py"))
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             if ("sys.path." + "insert") in line or ("sys.path." + "append") in line]
+             for line, function in sys_path_edits(path)
+             if SYS_PATH_SET_AT.get(str(path.relative_to(ROOT))) != function]
     assert not edits, f"sys.path edited at {', '.join(edits)}"
+
+
+def test_the_path_guard_sees_every_form(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import sys\nsys.path.insert(0, 'a')\nsys.path = ['b']\ndef f():\n    sys.path[:] = []\n"
+                      "    sys.path += ['c']\n    sys.path.extend(['d'])\nprint(sys.path)\n")
+    assert sys_path_edits(source) == [(2, ""), (3, ""), (5, "f"), (6, "f"), (7, "f")]
 
 
 def test_the_commands_that_do_not_train_import_no_torch():

@@ -1,8 +1,9 @@
 """The warm pool's own processes (orchestrate.cluster.pool says what the pool is and holds its
 client): the pool, which imports what a run needs and forks for each program handed to it; what a
 fork does before it runs the program (`become`) and after (`leave`); and the supervisor that starts
-the pool again when it ends. Run as `python -m orchestrate.cluster.pool_process supervise|serve`,
-by `up` and the supervisor, not typed.
+the pool again when it ends. Run as `python -m orchestrate.cluster.pool_process supervise|serve
+SOCKET WORKERS [GENERATION] PRELOAD` (PRELOAD: JSON, what `up` tells it to import), by `up` and
+the supervisor, not typed.
 """
 
 import contextlib
@@ -30,8 +31,6 @@ QUICK_S = 60.0
 IMPORT_TIME = ("PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC",
                "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                "PYTORCH_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_CBWR", "MPLBACKEND", "CUDA_MODULE_LOADING")
-# Imported at the pool's start beside what the warm-up run teaches it: every backend's module.
-BASE_IMPORTS = ("torch", "numpy", "mlflow", "hydra", "omegaconf", "orchestrate.cli", "orchestrate.app")
 NOT_IMPORTED = ("ray", "__main__")  # Ray reads its settings when imported: each fork imports it as set up
 
 
@@ -56,8 +55,11 @@ class Waiting:
 class Pool:
     """The pool's process: `serve` returns only in a fork, with what the fork is to run."""
 
-    def __init__(self, socket_path: str, workers: int, generation: int = 0) -> None:
+    def __init__(self, socket_path: str, workers: int, generation: int = 0, preload: dict | None = None) -> None:
         self.path, self.workers, self.generation = socket_path, workers, generation
+        # What `up` told it to import (orchestrate.commands.up.warm_imports): {"modules": [...],
+        # "learn": [module, *argv] of a one-step run whose imports it takes too}.
+        self.preload = preload or {"modules": [], "learn": []}
         self.running: dict[int, Fork] = {}
         self.waiting: deque[Waiting] = deque()
         self.served = {"command": 0, "worker": 0}
@@ -278,16 +280,16 @@ class Pool:
                             for f in self.running.values()]}
 
     def warm_up(self) -> None:
-        """Import BASE_IMPORTS and every backend, then what a one-step run imported besides
-        (learned in a fork that runs one, on a store of its own, deleted after)."""
+        """Import what `up` named (`preload`), then what a one-step run imported besides (learned
+        in a fork that runs one, on a store of its own, deleted after). The pool names no module
+        of the program it serves: it is below it."""
         import importlib
-        import pkgutil
 
         began = time.perf_counter()
-        backends = importlib.import_module("orchestrate.backends")  # by name: the pool is below the app it runs
-        for name in [*BASE_IMPORTS, *(f"orchestrate.backends.{m.name}" for m in pkgutil.iter_modules(backends.__path__))]:
+        for name in self.preload["modules"]:
             _import(importlib, name)
-        learned = [name for name in _learn_imports() if not name.startswith(NOT_IMPORTED) and name not in sys.modules]
+        learned = [name for name in _learn_imports(self.preload["learn"])
+                   if not name.startswith(NOT_IMPORTED) and name not in sys.modules]
         missing = [name for name in learned if not _import(importlib, name)]
         # CUDA cannot be used again in a fork of a process that started it: a library that did so on
         # import makes every request run cold (`refuses`), with the line saying why.
@@ -306,11 +308,13 @@ def _import(importlib, name: str) -> bool:
         return False
 
 
-def _learn_imports() -> list[str]:
-    """The modules a one-step run (backend=torch) imports, from a fork that runs one in a
-    temporary folder with a store of its own."""
+def _learn_imports(learn: list[str]) -> list[str]:
+    """The modules a one-step run imports (`learn`: the module to run as __main__ and its
+    arguments, `{folder}` in them the run's temporary folder), from a fork that runs one there."""
     import tempfile
 
+    if not learn:
+        return []
     folder = tempfile.mkdtemp(prefix="orchestrate-warm-up-")
     read, write = os.pipe()
     pid = os.fork()
@@ -318,12 +322,12 @@ def _learn_imports() -> list[str]:
         os.close(read)
         os.chdir(folder)
         os.environ.update(ORCHESTRATE_STATE_DIR=folder, ORCHESTRATE_WARM="0")
-        sys.argv = ["orchestrate", "backend=torch", "trainer.max_steps=1", "trainer.progress=false",
-                    "trainer.checkpoint_period=0", f"tracking.uri=sqlite:///{folder}/mlflow.db"]
+        module, *argv = [word.replace("{folder}", folder) for word in learn]
+        sys.argv = [module, *argv]
         try:
             import runpy
 
-            runpy.run_module("orchestrate", run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         except BaseException:  # noqa: BLE001 - whatever it imported before it stopped still counts
             pass
         os.write(write, json.dumps(sorted(sys.modules)).encode())
@@ -458,7 +462,7 @@ def _thread_count(env: dict, pool_env: dict) -> None:
 
 # ---- the supervisor ------------------------------------------------------------------------------
 
-def supervise(socket_path: str, workers: int) -> int:
+def supervise(socket_path: str, workers: int, preload: str) -> int:
     """Start the pool's process, and again when it ends, until SIGTERM (`orchestrate down`) or
     until it ends MAX_QUICK_RESTARTS times within QUICK_S (then commands run cold)."""
     import subprocess
@@ -478,7 +482,7 @@ def supervise(socket_path: str, workers: int) -> int:
     while not stopping:
         began = time.monotonic()
         child[:] = [subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool_process", "serve", socket_path,
-                                      str(workers), str(generation)], stdin=subprocess.DEVNULL)]
+                                      str(workers), str(generation), preload], stdin=subprocess.DEVNULL)]
         code = child[0].wait()
         if stopping:
             break
@@ -497,8 +501,8 @@ def supervise(socket_path: str, workers: int) -> int:
 def main(argv: list[str]) -> int:
     what, rest = argv[0], argv[1:]
     if what == "supervise":
-        return supervise(rest[0], int(rest[1]))
-    server = Pool(rest[0], int(rest[1]), int(rest[2]))
+        return supervise(rest[0], int(rest[1]), rest[2])
+    server = Pool(rest[0], int(rest[1]), int(rest[2]), json.loads(rest[3]))
     handed = server.serve()  # returns only in a fork
     code = 0
     try:

@@ -279,13 +279,14 @@ def _wait_for_head(proc: subprocess.Popen, head_log: Path, servers: list[str]) -
         time.sleep(0.2)
 
 
-def _start_pool(workers: int, folder: Path) -> tuple[subprocess.Popen, str]:
+def _start_pool(workers: int, folder: Path, preload: dict) -> tuple[subprocess.Popen, str]:
     """The warm pool's supervisor (orchestrate.cluster.pool), in a session of its own, its socket in
     a private temp folder (a Unix socket's path is limited to 107 bytes)."""
     socket_dir = tempfile.mkdtemp(prefix="orchestrate-pool-", dir="/tmp")  # 0700
     path = os.path.join(socket_dir, "pool.sock")
     with open(folder / "pool.log", "w") as pool_log:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool_process", "supervise", path, str(workers)],
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool_process", "supervise", path, str(workers),
+                                 json.dumps(preload)],
                                 cwd=folder, stdout=pool_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     return proc, path
@@ -302,9 +303,10 @@ def _wait_for_pool(proc: subprocess.Popen, path: str, folder: Path) -> None:
         time.sleep(0.2)
 
 
-def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
+def up(num_cpus: int | None, store: str, workers: int | None = None, preload: dict | None = None) -> Stack:
     """Start the stack, record it, and return it (`main` first looks for one that is up).
-    `workers`: the warm pool's commands at once (default: the head's CPUs; 0: no pool)."""
+    `workers`: the warm pool's commands at once (default: the head's CPUs; 0: no pool); `preload`:
+    what the pool imports before its first fork (orchestrate.commands.up.warm_imports)."""
     import ray
 
     from orchestrate.cluster.mlflow_server import MlflowServer
@@ -321,7 +323,7 @@ def up(num_cpus: int | None, store: str, workers: int | None = None) -> Stack:
     num_cpus = num_cpus or os.cpu_count() or 1
     workers = num_cpus if workers is None else workers
     # The pool imports while the head and the server start.
-    supervisor, pool_socket = _start_pool(workers, folder) if workers else (None, "")
+    supervisor, pool_socket = _start_pool(workers, folder, preload or {}) if workers else (None, "")
     started, temp_dir = [supervisor.pid] if supervisor else [], None
     try:
         proc, address, temp_dir = _start_head(num_cpus, folder)

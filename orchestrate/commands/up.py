@@ -10,7 +10,9 @@ shown or stopped.
 
 import argparse
 import logging
+import pkgutil
 import sys
+from pathlib import Path
 
 from orchestrate import errors
 from orchestrate.boundary import TOOL, Where, boundary
@@ -46,10 +48,23 @@ def main(argv: list[str]) -> int:
             stale = down()
             print(f"the warm stack recorded before ({stale.ray_address}) no longer answered: stopped what was left "
                   "of it", file=sys.stderr, flush=True)
-        stack = up(args.num_cpus, args.store, args.workers)  # errors.Refused for a store it cannot front, Failed for a start
+        # errors.Refused for a store it cannot front, Failed for a start
+        stack = up(args.num_cpus, args.store, args.workers, warm_imports())
         print(f"up: {stack.describe()}\nCommands on this machine join it by themselves; `orchestrate down` stops it.",
               flush=True)
         return 0
+
+
+def warm_imports() -> dict:
+    """What the warm pool imports before its first fork (it names nothing of orchestrate itself:
+    orchestrate.cluster is below the program it serves): the libraries and every backend's module
+    (a module per backend in orchestrate/backends), then what a one-step run of `python -m
+    orchestrate` imports, which it learns by running one (`{folder}`: that run's own folder)."""
+    backends = Path(__file__).resolve().parents[1] / "backends"
+    return {"modules": ["torch", "numpy", "mlflow", "hydra", "omegaconf",
+                        *(f"orchestrate.backends.{m.name}" for m in pkgutil.iter_modules([str(backends)]))],
+            "learn": ["orchestrate", "backend=torch", "trainer.max_steps=1", "trainer.progress=false",
+                      "trainer.checkpoint_period=0", "tracking.uri=sqlite:///{folder}/mlflow.db"]}
 
 
 def show(stack) -> int:

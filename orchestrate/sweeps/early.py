@@ -23,7 +23,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-WARM_MODULES = ("orchestrate.app",)  # what a trial imports first: the app, with torch, MLflow, Hydra
 RAY_LAUNCHER = "OrchestrateRayLauncher"
 WARM_UP_TIMEOUT_S = 60  # the longest the launcher waits for the warm-ups (then it goes on without them)
 # Module state: store URI -> its TrackingServer, started beside the check and not taken yet by the
@@ -123,7 +122,7 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
         # Waited for (the launcher's `ray_cluster.init` returns after this): trials submitted
         # while the warm-ups run would make Ray start more workers, each importing everything
         # again. A refused sweep (`stop`) stops waiting at once.
-        warming = [task.remote(WARM_MODULES, data) for _ in range(slots)]
+        warming = [task.remote(data) for _ in range(slots)]
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         while warming and not stop.is_set() and time.monotonic() < deadline:
             _, warming = ray.wait(warming, num_returns=len(warming), timeout=0.2)
@@ -132,14 +131,13 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
                                    num_cpus=launcher.num_cpus)
 
 
-def warm_up(modules: tuple[str, ...], data: dict | None) -> None:
-    """Runs in a Ray worker before any trial: import what a trial imports, and build the sweep's
-    data set into the worker's cache. Failures are the trial's to report, not this task's."""
-    import importlib
-
+def warm_up(data: dict | None) -> None:
+    """Runs in a Ray worker before any trial: import what a trial imports first (the app, with
+    torch, MLflow and Hydra), and build the sweep's data set into the worker's cache. Failures
+    are the trial's to report, not this task's."""
     with contextlib.suppress(Exception):
-        for name in modules:
-            importlib.import_module(name)
+        from orchestrate import app  # noqa: F401 - imported for the trials that follow in this worker
+
         if data is not None:
             from orchestrate.job import build_data
 
