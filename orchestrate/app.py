@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, errors, plots, process, schema, signals
 from orchestrate.boundary import RUN, Where, boundary
-from orchestrate.cluster import warm
+from orchestrate.cluster.runtime import COLD, Runtime
 from orchestrate.cpu import Budget
 from orchestrate.job import Checked, Job
 from orchestrate.meter import reset_peak_rss, world_sizes
@@ -50,14 +50,14 @@ def device_name(cfg: DictConfig) -> str:
     return f"cpu ({platform.machine()})"
 
 
-def start_early(cfg: DictConfig) -> contextlib.AbstractContextManager:
+def start_early(cfg: DictConfig, runtime: Runtime = COLD) -> contextlib.AbstractContextManager:
     """The backend's early start (`Backend.start_early`: the runner's Ray) around the check of a
     run's config; a config whose backend does not build gets none (the check says why)."""
     try:
         backend = schema.target_of(cfg.backend, "backend")
     except Exception:
         return contextlib.nullcontext()
-    return backend.start_early(cfg)
+    return backend.start_early(cfg, runtime)
 
 
 def unavailable(cfg: DictConfig) -> str | None:
@@ -80,14 +80,15 @@ class CheckCache:
     built: dict[Any, Any] = field(default_factory=dict)  # what backends' checks built, by their key (Job.built)
 
 
-def check(cfg: DictConfig, cache: CheckCache | None = None) -> Checked:
+def check(cfg: DictConfig, cache: CheckCache | None = None, runtime: Runtime = COLD) -> Checked:
     """The one way in: take a composed config to a checked, built job and the MLflow run it logs
     into (`Checked`), or one schema.ConfigError, before anything is written or run: the tracking
     store answers, the job builds (data, model, backend: Job.prepare, every setting against its
     declared range), `trainer.resume` resolves (which only reads the store). The command line
     checks a run with it, and the run takes what it returns over (`train`'s `checked`); every
     trial of a sweep is checked with it too. Checks of many configs share `cache`: each tracking
-    URI is asked once, and a model is built and run once per distinct model, data and seed."""
+    URI is asked once, and a model is built and run once per distinct model, data and seed.
+    `runtime`: how the command started (the entry's), which the backends' checks read."""
     shared = cache is not None
     cache = cache or CheckCache()
     uri = cfg.tracking.uri
@@ -95,7 +96,8 @@ def check(cfg: DictConfig, cache: CheckCache | None = None) -> Checked:
         cache.stores[uri] = unreachable(uri)
     if cache.stores[uri]:
         raise schema.ConfigError(cache.stores[uri])
-    job = Job.prepare(cfg, models=cache.models if shared else None, built=cache.built if shared else None)
+    job = Job.prepare(cfg, models=cache.models if shared else None, built=cache.built if shared else None,
+                      runtime=runtime)
     experiment = (uri, cfg.tracking.experiment)
     if experiment not in cache.experiments:  # MLflow would refuse the run only once it opens
         # A sweep's trials (checked together, or run with the sweep's server as MLflow's URI) write through its server.
@@ -106,16 +108,18 @@ def check(cfg: DictConfig, cache: CheckCache | None = None) -> Checked:
     return Checked(OmegaConf.to_yaml(cfg), job, run=which_run(cfg))
 
 
-def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None) -> Result:
+def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None, runtime: Runtime = COLD) -> Result:
     """Train once as `cfg` says; the MLflow run holds everything the run produced. `checked`: the
     check of this config (`check`), whose job and run choice the run takes over instead of building
-    and choosing them again (None, or another config's: built here). The process is left as it was
-    found (thread counts, environment: orchestrate.process)."""
+    and choosing them again (None, or another config's: built here). `runtime`: how the command
+    started (orchestrate.cluster.runtime: the Ray head to join, the start line). The process is
+    left as it was found (thread counts, environment: orchestrate.process)."""
     # ConfigError here: nothing has been written anywhere yet.
     reset_peak_rss()  # the run's own memory peak, in a process that ran others before it
     job = checked.take(cfg, out_dir) if checked is not None else None
     run_choice = checked.run if job is not None else None
-    job = job or Job.prepare(cfg, out_dir)
+    job = job or Job.prepare(cfg, out_dir, runtime=runtime)
+    job.runtime = runtime
     job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,
@@ -211,7 +215,7 @@ def print_summary(cfg: DictConfig, job: Job, result: Result, in_sweep: bool, bud
         if any(result.out_dir.glob(WORKER_LOG.format(rank="*"))):
             lines.append(f"  workers' logs      {result.out_dir / WORKER_LOG.format(rank='*')}")
     if not in_sweep:  # a sweep's trial: the sweep's summary says where to look (and how it started)
-        lines.append(f"  {'start':<18} {warm.start_line(job.ray, None)}")
+        lines.append(f"  {'start':<18} {job.runtime.start_line(job.ray, None)}")
         lines += [f"  {line}" for line in open_ui(cfg.tracking.uri, result.experiment_id).splitlines()]
     print("\n".join(lines), flush=True)
 
@@ -230,19 +234,21 @@ def resumable(cfg: DictConfig) -> bool:
         return False
 
 
-def hydra_app(checked: Checked | None = None) -> Callable[[], None]:
+def hydra_app(checked: Checked | None = None, runtime: Runtime = COLD) -> Callable[[], None]:
     """The Hydra app `python -m orchestrate` runs (orchestrate.cli): each of its jobs is `hydra_job`.
     `checked`: the single run's config as its command checked it, which the run takes over; None
-    for a sweep, whose trials (shipped to Ray workers and Slurm jobs as this function) check their own."""
+    for a sweep, whose trials (shipped to Ray workers and Slurm jobs as this function) check their
+    own. `runtime`: how the command started (its entry's choice)."""
 
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def task(cfg: DictConfig) -> float | list[float | None] | None:
-        return hydra_job(cfg, checked)
+        return hydra_job(cfg, checked, runtime)
 
     return task
 
 
-def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | list[float | None] | None:
+def hydra_job(cfg: DictConfig, checked: Checked | None = None,
+              runtime: Runtime = COLD) -> float | list[float | None] | None:
     """One Hydra job: a single run, or one trial of a sweep (which returns `sweep.metric` to the sweeper)."""
     hydra_cfg = HydraConfig.get()
     earlier = finished_run_metrics()
@@ -255,7 +261,7 @@ def hydra_job(cfg: DictConfig, checked: Checked | None = None) -> float | list[f
     where = Where(RUN, out_dir=Path(hydra_cfg.runtime.output_dir), log_file=job_log(hydra_cfg),
                   resumable=resumable(cfg))
     with boundary(where) if hydra_cfg.mode == RunMode.RUN else contextlib.nullcontext():
-        result = train(cfg, Path(hydra_cfg.runtime.output_dir), checked)
+        result = train(cfg, Path(hydra_cfg.runtime.output_dir), checked, runtime)
     return sweep_value(cfg, result.metrics)
 
 

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from orchestrate import app, errors, schema
 from orchestrate.boundary import CHECK, COMMAND, Where, boundary
+from orchestrate.cluster.runtime import COLD, Runtime, entered
 from orchestrate.config import ORCHESTRATE, Composer, ConfigSource, load_config, searching
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -44,7 +45,8 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[str] = (),
              trial: str = "", compose: Composer | None = None, cache: app.CheckCache | None = None,
-             own_run: bool = False, unavailable: dict[str, list[str]] | None = None) -> app.Checked | None:
+             own_run: bool = False, unavailable: dict[str, list[str]] | None = None,
+             runtime: Runtime = COLD) -> app.Checked | None:
     """Compose and build one run's config once, from the same config folders and search path as
     the run (`source`, `hydra.searchpath` among `hydra_overrides`); exit 2 with one message if it
     is wrong. `trial` prefixes the message of a config that composes but is refused (which trial
@@ -52,7 +54,8 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
     `own_run`: the run's own command, whose backend may begin what it needs meanwhile; its
     check (app.Checked: the job and the MLflow run) is returned, for the run to take over.
     `unavailable` (a sweep's): a trial whose backend this environment lacks is kept there, under
-    the line that says what it lacks, instead of refused, so that the other trials are checked too."""
+    the line that says what it lacks, instead of refused, so that the other trials are checked too.
+    `runtime`: how the command started (the entry's choice: `main`)."""
     with boundary(Where(CHECK, trial=trial, overrides=overrides, source=source)):
         # Libraries chatter on import (torch's C++ extension loader prints about CUDA): keep the
         # check quiet so that bad input gets one message.
@@ -63,13 +66,13 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
             if why:
                 unavailable.setdefault(why, []).append(trial.rstrip(": "))
                 return None
-            with app.start_early(cfg) if own_run else contextlib.nullcontext(), searching(source):
-                checked = app.check(cfg, cache)
+            with app.start_early(cfg, runtime) if own_run else contextlib.nullcontext(), searching(source):
+                checked = app.check(cfg, cache, runtime)
     # The run's own command: the run takes the job over instead of building it again.
     return checked if own_run else None
 
 
-def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource) -> None:
+def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource, runtime: Runtime = COLD) -> None:
     """Check every trial of a sweep before anything runs (no launcher does it for us): the sweep
     expanded as Hydra's basic sweeper expands it, an Optuna search space by its choices and the
     ends of its intervals (orchestrate.sweeps.plan); a bad choice gets the single run's message."""
@@ -87,11 +90,11 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource)
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
     compose, cache, unavailable = Composer(source, hydra_overrides), app.CheckCache(), {}
-    with early.start_early(cfg, len(trials)):
+    with early.start_early(cfg, len(trials), runtime):
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                      trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, cache=cache,
-                     unavailable=unavailable)
+                     unavailable=unavailable, runtime=runtime)
         if unavailable:  # refused once the others are checked: the line says all that is missing
             left = len(trials) - sum(map(len, unavailable.values()))
             fail("; ".join(f"{', '.join(named)}: {why}" for why, named in unavailable.items()) +
@@ -248,6 +251,15 @@ def check_sweep_choice(overrides: list[str]) -> None:
 
 
 def main() -> None:
+    """The command: its runtime chosen once, here (cold, or the warm stack `orchestrate up` left
+    running: orchestrate.cluster.runtime), then checked, then run with that runtime handed down."""
+    from orchestrate.cluster import warm
+
+    with entered(warm.runtime()) as chosen:
+        run(chosen)
+
+
+def run(chosen: Runtime) -> None:
     with boundary(Where(CHECK)):
         # Options only: overrides may come before or after them (they are handed to Hydra after them).
         check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
@@ -259,10 +271,10 @@ def main() -> None:
         checked = None  # the single run's check (its job and MLflow run), which the run takes over
         if not any(f.startswith(("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")) for f in flags):
             if multirun:
-                validate_sweep(flags, overrides, source)
+                validate_sweep(flags, overrides, source, chosen)
             else:
                 check_sweep_choice(overrides)
-                checked = validate(overrides, source, hydra_words(flags), own_run=True)
+                checked = validate(overrides, source, hydra_words(flags), own_run=True, runtime=chosen)
     # Hydra gets the same folders, made absolute (it would read a relative --config-path as
     # relative to orchestrate's code, not to where the user is).
     flags = strip_source_flags(flags)
@@ -273,7 +285,7 @@ def main() -> None:
     try:
         # What Hydra would print as a traceback: one line here (the boundary's).
         with boundary(where), errors.hydra_raising(), slurm.jobs_in_one_line():
-            app.hydra_app(checked)()
+            app.hydra_app(checked, chosen)()
     finally:
         if multirun:
             # Hydra calls the callbacks' on_multirun_end only when the sweeper returns; a failed

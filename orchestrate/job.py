@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import checkpoints, cpu, losses, ort, schema
 from orchestrate.checkpoints import Checkpoints
+from orchestrate.cluster.runtime import COLD, Runtime
 from orchestrate.cpu import Budget
 from orchestrate.errors import first_line
 from orchestrate.meter import Meter
@@ -213,6 +214,7 @@ class Job:
     # job its command checked (`Checked.take`) starts from them, as if it had built the model itself.
     rng_after_build: dict | None = None
     ray: str | None = None  # how the run got its Ray (orchestrate.cluster.ray_cluster.how): warm, cold, cluster; None: none
+    runtime: Runtime = COLD  # how the command started (orchestrate.cluster.runtime), as its entry handed it down
     # What the checks built that the run reuses instead of building it again, by the backend's
     # own key (the on-device training artifacts: OnDeviceBackend.check_gradients).
     built: dict[str, Any] = field(default_factory=dict)
@@ -221,18 +223,20 @@ class Job:
 
     @classmethod
     def prepare(cls, cfg: DictConfig, out_dir: Path | str | None = None, models: dict | None = None,
-                parallel: Parallel | None = None, built: dict | None = None) -> "Job":
+                parallel: Parallel | None = None, built: dict | None = None, runtime: Runtime = COLD) -> "Job":
         """`build`, then `check`: the job of `cfg`, every refusal (schema.ConfigError) before any
         compute; nothing is written (`out_dir` None: the job is only checked, and a run may take it
         over: `Checked`). `models`: for checks only (app.check), models already built
         and run on their data, by config, reused instead of built again (the job is not run: a grid
         over the learning rate builds its model once); `built`: what the backends' checks built, shared
-        the same way (the on-device artifacts of one model and backend setting, built once)."""
+        the same way (the on-device artifacts of one model and backend setting, built once);
+        `runtime`: how the command started, which the backends' checks read (the warm head's CPUs)."""
         schema.check_settings(cfg)  # every setting against its declared range, before anything is built
         key = model_key(cfg) if models is not None else None
         job = cls.build(cfg, out_dir, parallel=parallel, model=models.get(key) if key is not None else None)
         if built is not None:
             job.built = built
+        job.runtime = runtime
         job.check(model_checked=key is not None and key in models)
         if key is not None:
             models[key] = job.model

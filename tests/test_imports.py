@@ -181,6 +181,36 @@ def test_the_cluster_layer_imports_nothing_above_it():
     assert not {m: t for m, t in wrong.items() if t}
 
 
+CORE = ("orchestrate.app", "orchestrate.job", "orchestrate.backends", "orchestrate.meter", "orchestrate.tracking")
+# What knows the warm stack (its record, its pool, whether a process is a fork): the entry's to ask.
+WARM_STACK = ("orchestrate.cluster.warm", "orchestrate.cluster.pool", "orchestrate.cluster.pool_process")
+# What the core takes of orchestrate.cluster: the runtime's value, and Ray's joining and placement,
+# which knows the warm stack only by that value.
+CORE_TAKES = {"orchestrate.cluster.runtime", "orchestrate.cluster.ray_cluster", "orchestrate.cluster.ports"}
+
+
+def reachable(g: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in g.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_core_knows_how_it_started_only_by_the_runtime_handed_to_it():
+    """The app, the job, the backends, the meter and tracking import nothing of orchestrate.cluster
+    but the runtime's value and Ray's plumbing, and reach nothing, through any chain of imports,
+    that reads the warm stack's record or asks whether the process is a fork: the entry asks, once."""
+    g = graph()
+    core = [m for m in g if m.startswith(CORE)]
+    direct = {m: sorted(t for t in g[m] if t.startswith("orchestrate.cluster.") and t not in CORE_TAKES) for m in core}
+    assert not {m: t for m, t in direct.items() if t}
+    reached = {m: sorted(t for t in reachable(g, m) if t.startswith(WARM_STACK)) for m in core}
+    assert not {m: t for m, t in reached.items() if t}
+
+
 # The one place that sets sys.path: a fork of the warm pool becomes the program it is handed as a
 # fresh interpreter would start it (its folder and PYTHONPATH first), which no other way gives.
 SYS_PATH_SET_AT = {"orchestrate/cluster/pool_process.py": "become"}

@@ -74,10 +74,11 @@ class Backend(ABC):
                               f"checkpoints to continue; allowed with backend={', '.join(backends('resumable'))}")
 
     @classmethod
-    def start_early(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
-        """Begin, while the command checks the config (`cfg`: the run's whole config), what
-        `connect` will wait for (the runner: a local Ray instance); stopped again if the body
-        raises (the config was refused). Nothing by default."""
+    def start_early(cls, cfg: DictConfig, runtime) -> contextlib.AbstractContextManager:
+        """Begin, while the command checks the config (`cfg`: the run's whole config; `runtime`:
+        how the command started, orchestrate.cluster.runtime), what `connect` will wait for (the
+        runner: a local Ray instance); stopped again if the body raises (the config was refused).
+        Nothing by default."""
         return contextlib.nullcontext()
 
     def budget(self, job):

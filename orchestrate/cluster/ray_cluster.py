@@ -8,8 +8,8 @@ Two Ray behaviours shape `init` (Ray 2.60, measured here):
   `_node_ip_address="127.0.0.1"`) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before `import ray`;
   with it every port Ray opens is bound to 127.0.0.1.
 `ray job submit` runs the command with RAY_ADDRESS set: that cluster is joined. With no address at
-all, the warm head `orchestrate up` left running (orchestrate.cluster.warm) is joined before a new local
-instance is started: the same command, warm.
+all, the warm head the runtime names (orchestrate.cluster.runtime: `orchestrate up`'s, handed down
+by the entry) is joined before a new local instance is started: the same command, warm.
 
 Three things Ray prints say nothing to act on, and stay off the console: lines its own processes
 print that `RAY_NOISE` names (one line each, skipped by Ray's log deduplicator; they stay in those
@@ -20,7 +20,7 @@ which a per-line skip cannot take: to this driver's log while the runner trains,
 on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chosen silently).
 
 This module imports, and only when called, nothing of orchestrate but what imports nothing itself:
-the warm head's record (orchestrate.cluster.warm), a free port (orchestrate.cluster.ports) and set_env
+the runtime's value (orchestrate.cluster.runtime), a free port (orchestrate.cluster.ports) and set_env
 (orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own:
 `RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and `PlacementError`
 (a RuntimeError: the cluster cannot hold what was asked for in time).
@@ -36,6 +36,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrate.cluster.runtime import Runtime
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # hosts that mean this machine only
@@ -58,16 +62,17 @@ class PlacementError(RuntimeError):
     message says what was asked, what the cluster has in all and what is free."""
 
 
-def init(address: str | None, key: str, **local_options) -> bool:
+def init(address: str | None, key: str, runtime: "Runtime | None" = None, **local_options) -> bool:
     """Start or join Ray unless this process already has (then return False); `key` names the
-    config key that gave `address` (for the error when it cannot be reached). `local_options`
-    (num_cpus, ...) apply to a new local instance only. Raises RayUnavailable. A start begun by
-    `init_in_background` is waited for and stands for this one (its result is returned)."""
+    config key that gave `address` (for the error when it cannot be reached); with no address,
+    the warm head `runtime` names is joined (cold: none). `local_options` (num_cpus, ...) apply to
+    a new local instance only. Raises RayUnavailable. A start begun by `init_in_background` is
+    waited for and stands for this one (its result is returned)."""
     global _EARLY
     early, _EARLY = _EARLY, None
     if early is not None:
         return early.result()
-    return _start(address, key, **local_options)
+    return _start(address, key, runtime, **local_options)
 
 
 def host_of(address: str) -> str:
@@ -82,18 +87,15 @@ def on_loopback(address: str) -> bool:
     return host_of(address) in LOOPBACK
 
 
-def _start(address: str | None, key: str, **local_options) -> bool:
+def _start(address: str | None, key: str, runtime: "Runtime | None" = None, **local_options) -> bool:
     global _WARM
     address = address or os.environ.get("RAY_ADDRESS")
     if address == "auto":  # resolved here, once: Ray's own `auto` dials the machine's address for a loopback head
         address = resolve_auto(key)
     warm = None
-    if address is None and not _initialized():
-        from orchestrate.cluster import warm as warm_stack
-
-        warm = address = warm_stack.ray_address()
-        if warm is not None:
-            os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head's mode (its token: Ray's default file)
+    if address is None and not _initialized() and runtime is not None and runtime.head:
+        warm = address = runtime.head
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # the head's mode (its token: Ray's default file)
     local = address is None or on_loopback(address)
     if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -133,7 +135,7 @@ def _start(address: str | None, key: str, **local_options) -> bool:
             global _LOCAL_SESSION
             _LOCAL_SESSION = ray.get_runtime_context().get_job_id()
         else:
-            python = warm_stack.worker_python() if warm is not None else None  # workers: forks of the warm pool
+            python = runtime.worker_python if warm is not None else None  # workers: forks of the warm pool
             ray.init(address=address, runtime_env=runtime_env(address, local, python), **options)
             _WARM = warm
     except ConnectionError as e:
@@ -260,14 +262,14 @@ class _EarlyStart:
     signal, which fires when the *thread* that started them ends."""
 
     def __init__(self, address: str | None, key: str, then: Callable[[threading.Event], None] | None,
-                 local_options: dict):
+                 runtime: "Runtime | None", local_options: dict):
         self.ready, self.stop = threading.Event(), threading.Event()
         self.started, self.error = False, None
-        self.args = (address, key, then, local_options)
+        self.args = (address, key, then, runtime, local_options)
         threading.Thread(target=self._run, name="ray-early-start", daemon=True).start()
 
     def _run(self) -> None:
-        address, key, then, local_options = self.args
+        address, key, then, runtime, local_options = self.args
         # Off the main thread Ray leaves SIGTERM's handler alone (what a run wants) and says so; and
         # a sweep refused meanwhile should print its one line only, not Ray's notes.
         from orchestrate.thirdparty import RAY_EARLY_LOGGERS
@@ -276,7 +278,7 @@ class _EarlyStart:
         for logger in chatty:
             logger.addFilter(_no_early_notes)
         try:
-            self.started = _start(address, key, **local_options)
+            self.started = _start(address, key, runtime, **local_options)
             if then is not None and not self.stop.is_set():
                 then(self.stop)
         except BaseException as e:  # handed to whoever waits for the start
@@ -312,13 +314,13 @@ def _no_early_notes(record: logging.LogRecord) -> bool:
 
 
 def init_in_background(address: str | None, key: str, then: Callable[[threading.Event], None] | None = None,
-                       **local_options) -> None:
-    """Begin `init(address, key, **local_options)` now, on another thread, and run `then(stop)`
+                       runtime: "Runtime | None" = None, **local_options) -> None:
+    """Begin `init(address, key, runtime, **local_options)` now, on another thread, and run `then(stop)`
     once Ray is up; the next `init` call in this process waits for it (`then` included) instead
     of starting Ray again. A sweep starts Ray this way while it checks its trials."""
     global _EARLY
     if _EARLY is None:
-        _EARLY = _EarlyStart(address, key, then, local_options)
+        _EARLY = _EarlyStart(address, key, then, runtime, local_options)
 
 
 def cancel_background_init(wait: bool = True) -> None:

@@ -9,7 +9,8 @@ same way, find the stack by themselves:
   no RAY_ADDRESS) joins the head recorded here instead of starting a local instance;
 - MLflow: a sweep whose SQLite store the server fronts writes through it instead of starting a
   server of its own (single runs write to the file directly, as before).
-Each command's summary says which way it ran (`warm` or `cold`).
+The entry reads the record once (`runtime`: orchestrate.cluster.runtime's value, handed down);
+each command's summary says which way it ran (`warm` or `cold`).
 
 The record is `stack.json` in the user's state folder ($ORCHESTRATE_STATE_DIR, else
 $XDG_STATE_HOME/orchestrate, else ~/.local/state/orchestrate; private to the user). A record
@@ -139,54 +140,24 @@ def found() -> Stack | None:
     return None
 
 
-def ray_address() -> str | None:
-    """The warm head's address, if one answers."""
+def runtime():
+    """The runtime of a command starting now (orchestrate.cluster.runtime), for the entry to hand
+    down: the stack `orchestrate up` left running, as far as it answers now (its head, its pool,
+    its MLflow server: a line for a server that does not), and whether this process is a fork of
+    its pool; cold where there is no stack."""
+    from orchestrate.cluster.runtime import Runtime
+
     stack = found()
-    return stack.ray_address if stack else None
-
-
-def server_for(store_uri: str) -> Stack | None:
-    """The warm stack, if its MLflow server fronts `store_uri` (an absolute sqlite:/// URI) and answers."""
-    stack = recorded()
-    if stack is None or stack.store != store_uri:
-        return None
-    if stack.server_answers():
-        return stack
-    log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; this sweep starts its own "
-                "(`orchestrate down` then `orchestrate up` starts the stack again)")
-    return None
-
-
-def start_line(ray: str | None, server: bool | None) -> str:
-    """The summary's line on how a command started: `ray` as orchestrate.cluster.ray_cluster.how() says
-    (warm, cold, cluster; None: no Ray), `server` whether the sweep's MLflow server was the warm
-    stack's (None: no server of its own); in a fork of the warm pool, that too."""
-    warm = [what for what, yes in (("the Ray head", ray == "warm"), ("the MLflow server", server is True)) if yes]
-    cold = [what for what, yes in (("a local Ray", ray == "cold"), ("an MLflow server", server is False)) if yes]
-    if ray == "cluster":
-        warm.append("the Ray cluster it was given")
-    forked = pool.forked()
-    if not warm and not cold:
-        return ("warm: in a fork of the warm pool that `orchestrate up` keeps (its imports done); no Ray and no "
-                "server") if forked else "one process: no Ray and no server to keep warm"
-    said = []
-    if warm:
-        said.append(f"warm: joined {' and '.join(warm)}" + (" that `orchestrate up` keeps running"
-                                                             if ray == "warm" or server else "") +
-                    (", in a fork of the warm pool (imports done)" if forked else ""))
-    elif forked:
-        said.append("warm: in a fork of the warm pool that `orchestrate up` keeps (imports done)")
-    if cold:
-        said.append(f"cold: started {' and '.join(cold)} for this command, stopped at its end "
-                    "(`orchestrate up` keeps them running between commands)")
-    return "; ".join(said)
-
-
-def worker_python() -> str | None:
-    """Ray's `py_executable` for a job on the warm head: its workers become forks of the warm pool
-    (orchestrate.cluster.pool); None when the stack has no pool that answers."""
-    stack = recorded()
-    return pool.worker_python(stack.pool_socket) if stack is not None and stack.pool_answers() else None
+    if stack is None:
+        return Runtime(forked=pool.forked())
+    server = stack.server_answers()
+    if not server:
+        log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; a sweep starts its own "
+                    "(`orchestrate down` then `orchestrate up` starts the stack again)")
+    return Runtime(head=stack.ray_address, head_cpus=stack.num_cpus,
+                   worker_python=pool.worker_python(stack.pool_socket) if stack.pool_answers() else None,
+                   server_uri=stack.server_uri if server else None, server_store=stack.store if server else None,
+                   server_artifacts=stack.artifacts if server else None, forked=pool.forked())
 
 
 def hand_over(argv: list[str]) -> int | None:

@@ -29,7 +29,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, open_dict
 
 from orchestrate import thirdparty
-from orchestrate.cluster import ray_cluster
+from orchestrate.cluster import ray_cluster, runtime
 
 log = logging.getLogger(__name__)
 OUTPUT_WAIT_S = 10.0  # longest wait, once the jobs are done, for their last lines to reach this console
@@ -174,7 +174,8 @@ def ready(launcher) -> None:
             log.warning(f"hydra.launcher.num_cpus={conf.num_cpus} is ignored: it sizes a new local Ray instance, "
                         f"and hydra.launcher.address={conf.address} joins a running cluster")
         began = time.perf_counter()
-        started = ray_cluster.init(conf.address, "hydra.launcher.address", num_cpus=conf.num_cpus)
+        # With no address: the warm head of the runtime the command's entry entered, if any.
+        started = ray_cluster.init(conf.address, "hydra.launcher.address", runtime.current(), num_cpus=conf.num_cpus)
         import ray  # after ray_cluster.init: the loopback setting is read when ray is imported
 
         if started:

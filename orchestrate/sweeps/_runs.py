@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import plots
-from orchestrate.cluster import ray_cluster, warm
+from orchestrate.cluster import ray_cluster, runtime
 from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, compare, pareto, plan, pruning, remote
 from orchestrate.sweeps._server import own_server
@@ -124,7 +124,8 @@ class Sweep:
             began = time.perf_counter()
             self.host = remote.server_host(config)  # 127.0.0.1, or toward a cluster whose hosts run the trials
             self.server = early.take_server(uri)  # started by the command line, while it checked the trials
-            if self.server is None and self.host == "127.0.0.1" and (warm := _server.warm_server(uri)) is not None:
+            warm = _server.warm_server(uri, runtime.current()) if self.host == "127.0.0.1" else None
+            if self.server is None and warm is not None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running
             if self.server is None:
@@ -274,7 +275,7 @@ class Sweep:
             first = min(r.start_ms for r in ran) / 1000 - self.began
             timing += f"; the first started {first:.1f} s after the sweep began"
         print(f"\nsweep summary (MLflow parent run {self.run_id}, experiment '{self.settings.experiment}'):\n"
-              f"{text}\n{timing}\nstart: {warm.start_line(ray_cluster.how(), self.server_warm)}\n"
+              f"{text}\n{timing}\nstart: {runtime.current().start_line(ray_cluster.how(), self.server_warm)}\n"
               f"{open_ui(self.settings.tracking_uri, self.experiment_id)}", flush=True)
 
     def log_comparison(self, rows: list[_summary.Row]) -> str:

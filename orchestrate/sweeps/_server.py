@@ -49,12 +49,10 @@ class WarmServer:
         pass
 
 
-def warm_server(sqlite_uri: str) -> WarmServer | None:
-    """The warm stack's server, if it fronts `sqlite_uri` and answers."""
-    from orchestrate.cluster import warm as warm_stack
-
-    warm = warm_stack.server_for(sqlite_uri)
-    return WarmServer(warm.server_uri, warm.artifacts) if warm else None
+def warm_server(sqlite_uri: str, runtime) -> WarmServer | None:
+    """The warm stack's server, if `runtime` (orchestrate.cluster.runtime) has one that fronts `sqlite_uri`."""
+    warm = runtime.server_for(sqlite_uri)
+    return WarmServer(*warm) if warm else None
 
 
 class TrackingServer(MlflowServer):

@@ -31,15 +31,16 @@ _SERVERS: dict = {}
 
 
 @contextlib.contextmanager
-def start_early(cfg: DictConfig, trials: int) -> Iterator[None]:
+def start_early(cfg: DictConfig, trials: int, runtime) -> Iterator[None]:
     """Start what the sweep `cfg` (its multirun config, `hydra` node included) of `trials` trials
-    will need, while the body runs (the up-front check); if the body raises, stop it all."""
+    will need, while the body runs (the up-front check); if the body raises, stop it all.
+    `runtime` (orchestrate.cluster.runtime): the warm stack's server and head, used where they fit."""
     launcher = cfg.hydra.launcher
     made: list[Path] = []
     if not launcher.get("dry_run", False):
-        made = _start_server(cfg)
+        made = _start_server(cfg, runtime)
         if str(launcher.get("_target_", "")).endswith(RAY_LAUNCHER):
-            _start_ray(cfg, trials)
+            _start_ray(cfg, trials, runtime)
     try:
         yield
     except BaseException:
@@ -52,7 +53,7 @@ def start_early(cfg: DictConfig, trials: int) -> Iterator[None]:
         raise
 
 
-def _start_server(cfg: DictConfig) -> list[Path]:
+def _start_server(cfg: DictConfig, runtime) -> list[Path]:
     """The sweep's own MLflow server, as `_runs.Sweep` would start it: for a SQLite store the
     trials write through (the sweep_tracking callback's settings). Returns the files it created."""
     from orchestrate.tracking.stores import absolute_uri
@@ -75,7 +76,7 @@ def _start_server(cfg: DictConfig) -> list[Path]:
     from orchestrate.sweeps.remote import server_host
 
     host = server_host(cfg)
-    if host == "127.0.0.1" and warm_server(uri) is not None:
+    if host == "127.0.0.1" and warm_server(uri, runtime) is not None:
         return []  # the warm stack's server fronts this store (`orchestrate up`): `_runs.Sweep` uses it
     path = Path(uri.removeprefix("sqlite:///"))
     made = [] if path.exists() else [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
@@ -102,7 +103,7 @@ def release() -> None:
 atexit.register(release)
 
 
-def _start_ray(cfg: DictConfig, trials: int) -> None:
+def _start_ray(cfg: DictConfig, trials: int, runtime) -> None:
     """Ray as the launcher will ask for it, then one warm-up task per slot a trial can take."""
     from orchestrate.cluster import ray_cluster
     from orchestrate.launch import _core
@@ -127,7 +128,7 @@ def _start_ray(cfg: DictConfig, trials: int) -> None:
         while warming and not stop.is_set() and time.monotonic() < deadline:
             _, warming = ray.wait(warming, num_returns=len(warming), timeout=0.2)
 
-    ray_cluster.init_in_background(launcher.address, "hydra.launcher.address", then=warm,
+    ray_cluster.init_in_background(launcher.address, "hydra.launcher.address", then=warm, runtime=runtime,
                                    num_cpus=launcher.num_cpus)
 
 

@@ -17,6 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrate.cluster import pool, warm
+from orchestrate.cluster.runtime import Runtime
 from tests.commands.test_server import LOOPBACK, listening
 from tests.conftest import sweep_runs
 
@@ -104,18 +105,19 @@ def test_a_record_whose_stack_is_gone_is_ignored_with_one_line(tmp_path, monkeyp
     (tmp_path / "stack.json").write_text(json.dumps(gone.__dict__))
     began = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="orchestrate.cluster.warm"):
-        assert warm.found() is None and warm.ray_address() is None
+        assert warm.found() is None and warm.runtime() == Runtime()
     assert time.monotonic() - began < 5  # a socket connect, not Ray's minutes of retries
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"the warm stack recorded in {tmp_path / 'stack.json'} is gone (nothing answers at "
                            f"{gone.ray_address}); ignoring it")
-    assert warm.start_line(None, None) == "one process: no Ray and no server to keep warm"
+    assert Runtime().start_line(None, None) == "one process: no Ray and no server to keep warm"
 
 
 def test_no_record_means_cold(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCHESTRATE_STATE_DIR", str(tmp_path))
-    assert warm.found() is None and warm.server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
-    assert warm.start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this command")
+    assert warm.found() is None and warm.runtime().server_for(f"sqlite:///{tmp_path}/mlflow.db") is None
+    assert Runtime().start_line("cold", False).startswith("cold: started a local Ray and an MLflow server for this "
+                                                          "command")
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ from orchestrate import ort, schema, signals
 from orchestrate.backends.base import Backend, backend_config, backends
 from orchestrate.backends.runner import relay as relays
 from orchestrate.backends.runner import storage
-from orchestrate.cluster import ray_cluster, warm
+from orchestrate.cluster import ray_cluster
 from orchestrate.meter import Diverged, world_sizes
 from orchestrate.schema import ABOVE_0, AT_LEAST_0, ConfigError, Device
 from orchestrate.thirdparty import ray_train_signals_to
@@ -240,8 +240,9 @@ class RunnerBackend(Backend):
         # elastic run needs room for its minimum; it grows as far as the rest goes).
         key, least = starting_workers(t)
         wanted = least * self.cpus_per_worker
-        head = None if self.in_driver(t.num_workers) else warm.found()
-        have, where = (head.num_cpus, "the warm Ray head (orchestrate up)") if head else (os.cpu_count() or 1, "this machine")
+        head = None if self.in_driver(t.num_workers) else job.runtime.head
+        have, where = (job.runtime.head_cpus, "the warm Ray head (orchestrate up)") if head else \
+            (os.cpu_count() or 1, "this machine")
         if wanted > have:
             raise ConfigError(f"{key}={least} x backend.cpus_per_worker="
                               f"{self.cpus_per_worker} asks for {wanted:g} CPUs; {where} has {have}")
@@ -256,13 +257,13 @@ class RunnerBackend(Backend):
 
     @classmethod
     @contextlib.contextmanager
-    def start_early(cls, cfg: DictConfig) -> Iterator[None]:
+    def start_early(cls, cfg: DictConfig, runtime) -> Iterator[None]:
         """A new local Ray (no `ray_address`, no RAY_ADDRESS) starts on a thread of its own while
         the command checks the config: `connect` then waits for it instead of starting one (about
         4 s of start-up overlapped). A refused config shuts it down. None for a run in the driver."""
         node = cfg.backend
         if _in_driver(cfg.trainer.get("num_workers", 1), node.get("ray_address"), node.get("use_gpu", False)) or \
-                node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or warm.ray_address():
+                node.get("ray_address") is not None or "RAY_ADDRESS" in os.environ or runtime.head:
             yield
             return
         ray_environment()
@@ -282,7 +283,7 @@ class RunnerBackend(Backend):
             return
         ray_environment()
         try:
-            started = ray_cluster.init(self.ray_address, "backend.ray_address")
+            started = ray_cluster.init(self.ray_address, "backend.ray_address", job.runtime)
         except ray_cluster.RayUnavailable as e:
             raise ConfigError(str(e)) from None
         job.ray = ray_cluster.how()  # for the summary: warm (orchestrate up), cold or a cluster
