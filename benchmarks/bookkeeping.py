@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-from orchestrate import app, losses, ort, process
+from orchestrate import app, ort, process
 from orchestrate.config import load_config
 from orchestrate.job import Job, seed_everything
+from orchestrate.tasks import losses
 
 BACKENDS = ["torch", "ortmodule", "ondevice"]
 TARGET = 0.95  # orchestrate's samples/s over the hand-written loop's

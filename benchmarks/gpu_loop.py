@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from backends import commit, machine  # benchmarks/backends.py: where and when it was measured
 
-from orchestrate import app, losses, process
+from orchestrate import app, process
 from orchestrate.config import load_config
 from orchestrate.job import Job, seed_everything
+from orchestrate.tasks import losses
 
 TARGET = 0.97  # hand-written step time over orchestrate's: orchestrate within 3% of the fast hand loop
 WARMUP = 25  # steps left out of the timing (orchestrate's first display window)

@@ -24,7 +24,7 @@ def main() -> None:
     # orchestrate at `orchestrate up` (orchestrate.cluster.pool); this process only stands in for it.
     from orchestrate.cluster import warm
 
-    code = warm.hand_over(sys.argv[1:])
+    code = warm.dispatch(sys.argv[1:])
     if code is not None:
         raise SystemExit(code)
     from orchestrate import cli

@@ -17,16 +17,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, errors, plots, process, schema, signals
+from orchestrate import checkpoints, errors, process, schema, signals
 from orchestrate.boundary import RUN, Where, boundary
 from orchestrate.cluster.runtime import COLD, Runtime
 from orchestrate.cpu import Budget
 from orchestrate.job import Checked, Job
 from orchestrate.meter import reset_peak_rss, world_sizes
-from orchestrate.redact import redact_text
 from orchestrate.sweeps import pruning
+from orchestrate.tracking import plots
 from orchestrate.tracking.handover import finished_run_metrics
 from orchestrate.tracking.params import config_key
+from orchestrate.tracking.redact import redact_text
 from orchestrate.tracking.run import Run, which_run
 from orchestrate.tracking.stores import open_ui, unreachable, unusable_experiment
 

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import checkpoints, cpu, losses, ort, schema
+from orchestrate import checkpoints, cpu, ort, schema
 from orchestrate.checkpoints import Checkpoints
 from orchestrate.cluster.runtime import COLD, Runtime
 from orchestrate.cpu import Budget
 from orchestrate.errors import first_line
 from orchestrate.meter import Meter
 from orchestrate.parallel import Parallel
-from orchestrate.tasks import loader
+from orchestrate.tasks import loader, losses
 from orchestrate.tasks.data import DataSet
 
 # Module state: data sets built in this process, by their resolved config, so that the trials a

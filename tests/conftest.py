@@ -127,9 +127,12 @@ MLFLOW_DEFAULTS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "ORCHESTRATE
 
 @pytest.fixture(autouse=True, scope="session")
 def own_state_dir(tmp_path_factory):
-    """`orchestrate up`'s record (orchestrate.stack) in a folder of the session's: a warm stack the
-    developer left running is never joined by a test, and a test's own is never the developer's.
-    Set for the whole session, so that the commands tests start see it too."""
+    """`orchestrate up`'s record (orchestrate.cluster.warm) in a folder of the session's: every
+    command a test starts picks its runtime at its entry from that record, so a warm stack the
+    developer left running is never joined by a test (the suite's figures and outputs would depend
+    on the machine), and a test's own is never the developer's. Tests that run warm name the
+    session's stack (`warm_stack`: its ORCHESTRATE_STATE_DIR). Set for the whole session, so that
+    the commands tests start see it too; in-process calls below the entry are cold by default."""
     before = os.environ.get("ORCHESTRATE_STATE_DIR")
     os.environ["ORCHESTRATE_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
     yield

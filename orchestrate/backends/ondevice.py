@@ -21,10 +21,11 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, extras, losses, ort, process, thirdparty
+from orchestrate import checkpoints, extras, ort, process, thirdparty
 from orchestrate.backends.base import Backend
 from orchestrate.backends.torch import declare_shape, export_for_training
 from orchestrate.schema import AT_LEAST_0, ConfigError, Device, LRSchedule, shown, target_of
+from orchestrate.tasks import losses
 
 # ORT's optimizer blocks, by the torch class each mirrors, with the arguments the block reads (the
 # learning rate goes to ORT's Optimizer). The config's arguments are checked by that torch class

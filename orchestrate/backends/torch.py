@@ -19,10 +19,11 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from orchestrate import checkpoints, losses, ort, thirdparty
+from orchestrate import checkpoints, ort, thirdparty
 from orchestrate.backends.base import Backend
-from orchestrate.prefetch import DeviceBatches
 from orchestrate.schema import AT_LEAST_0, ConfigError, LRSchedule, Precision
+from orchestrate.tasks import losses
+from orchestrate.tasks.prefetch import DeviceBatches
 
 
 @dataclass

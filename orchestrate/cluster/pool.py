@@ -1,8 +1,8 @@
 """The warm pool of `orchestrate up`: one process that has imported what a run needs (torch, ORT
 where installed, MLflow, Hydra, orchestrate's backends: what a one-step run imports, learned by
-running one at its start) and forks a copy of itself for every program handed to it:
-- each command typed on the warm stack (`python -m orchestrate ...`: orchestrate.__main__ hands it
-  over, `hand_over`), and
+running one at its start) and forks a copy of itself for every program dispatched to it:
+- each command typed on the warm stack (`python -m orchestrate ...`: orchestrate.__main__
+  dispatches it, `dispatch`), and
 - each worker process Ray starts on the warm head (the Ray launcher's trials, the runner's
   data-parallel workers, Ray Train's own actors): a job that joins the head names this module as
   its workers' Python (Ray's `py_executable`, `worker_python`), so Ray starts them as it always
@@ -31,7 +31,7 @@ Three processes (`up` starts them, `down` stops their process group):
   (the peer's uid, from the kernel: SO_PEERCRED), and forks; at most `workers` commands run at
   once (more wait, with a line saying so, up to their placement timeout); Ray's workers are Ray's
   to count. Both are orchestrate.cluster.pool_process;
-- the client, here (`hand_over`; `python -m orchestrate.cluster.pool worker SOCKET PROGRAM ARGS`
+- the client, here (`dispatch`; `python -m orchestrate.cluster.pool worker SOCKET PROGRAM ARGS`
   for Ray).
 
 Imports nothing heavy: the client side runs in every command before it knows it will train.
@@ -57,7 +57,7 @@ DEFAULT_WAIT_S = 60.0  # a command's wait for a free worker: the placement timeo
 # ---- the client ----------------------------------------------------------------------------------
 
 @dataclass
-class Handed:
+class Request:
     """What the client sends: one program to run as a fork."""
 
     kind: str  # "command" (counted against the pool's workers) or "worker" (Ray's)
@@ -71,7 +71,7 @@ class Handed:
 
 
 def forked() -> bool:
-    """Whether this process is a fork of the pool (a command already handed over)."""
+    """Whether this process is a fork of the pool (a command dispatched to it)."""
     return _FORKED
 
 
@@ -118,7 +118,7 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
 
 
 def replies(sock: socket.socket):
-    """The pool's replies to a handed program, one JSON object per line, until it closes."""
+    """The pool's replies to a dispatched program, one JSON object per line, until it closes."""
     with sock.makefile("r", encoding="utf-8") as lines:
         for line in lines:
             yield json.loads(line)
@@ -155,16 +155,16 @@ def wait_s_of(argv: list[str]) -> float:
     return DEFAULT_WAIT_S
 
 
-def hand_over(handed: Handed, sock: socket.socket) -> int | None:
-    """Run `handed` as a fork of the pool connected on `sock` (`connect`), this process standing in
+def dispatch(request: Request, sock: socket.socket) -> int | None:
+    """Run `request` as a fork of the pool connected on `sock` (`connect`), this process standing in
     for it (its signals forwarded); its exit code, or None when the pool cannot take it (a line says
     why): the caller runs it itself."""
-    handed.stamp = handed.stamp or code_stamp()
+    request.stamp = request.stamp or code_stamp()
     forward = _Forward()
     try:
         with sock:
             sock.settimeout(REPLY_TIMEOUT_S)
-            send(sock, handed.__dict__, [0, 1, 2])
+            send(sock, request.__dict__, [0, 1, 2])
             sock.settimeout(None)  # from here on the pool answers when the fork ends: the run's own time
             for reply in replies(sock):
                 said = reply.get("cold") or reply.get("wait") or reply.get("timeout")
@@ -177,7 +177,7 @@ def hand_over(handed: Handed, sock: socket.socket) -> int | None:
                 if "pid" in reply:
                     forward.to(reply["pid"])
                 if "exit" in reply:
-                    return forward.exit_code(reply["exit"], handed.kind)
+                    return forward.exit_code(reply["exit"], request.kind)
     except (OSError, ValueError):  # the pool went away mid-answer
         pass
     finally:
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit("usage: python -m orchestrate.cluster.pool worker SOCKET PROGRAM [ARGS]")
     program, args = argv[2], argv[3:]
     sock = connect(argv[1])
-    code = hand_over(Handed("worker", [program], args), sock) if sock is not None else None
+    code = dispatch(Request("worker", [program], args), sock) if sock is not None else None
     if code is None:
         os.execv(sys.executable, [sys.executable, program, *args])
     return code

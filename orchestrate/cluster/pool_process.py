@@ -1,5 +1,5 @@
 """The warm pool's own processes (orchestrate.cluster.pool says what the pool is and holds its
-client): the pool, which imports what a run needs and forks for each program handed to it; what a
+client): the pool, which imports what a run needs and forks for each program dispatched to it; what a
 fork does before it runs the program (`become`) and after (`leave`); and the supervisor that starts
 the pool again when it ends. Run as `python -m orchestrate.cluster.pool_process supervise|serve
 SOCKET WORKERS [GENERATION] PRELOAD` (PRELOAD: JSON, what `up` tells it to import), by `up` and
@@ -47,7 +47,7 @@ class Fork:
 @dataclass
 class Waiting:
     conn: socket.socket
-    handed: dict
+    request: dict
     fds: list[int]
     until: float
 
@@ -95,17 +95,17 @@ class Pool:
         while not (self.stopping or self.restart) or self.running:
             for key, _ in self.selector.select(self._next_timeout()):
                 if key.data == "accept":
-                    handed = self._accept(listener)
-                    if handed is not None:
-                        return handed  # this is a fork
+                    request = self._accept(listener)
+                    if request is not None:
+                        return request  # this is a fork
                 elif key.data == "wake":
                     _drain(wake_r)
                     self._reap()
                 else:
                     self._client_event(key.fileobj)
-            handed = self._tick()
-            if handed is not None:
-                return handed
+            request = self._tick()
+            if request is not None:
+                return request
         raise SystemExit(pool.RESTART if self.restart and not self.stopping else 0)
 
     def _stop(self, *_) -> None:
@@ -132,71 +132,71 @@ class Pool:
                 _reply(conn, {"cold": f"the warm pool of user {os.getuid()} runs nothing for user {uid}"})
                 conn.close()
                 return None
-            handed, fds = pool.receive(conn, 3)
+            request, fds = pool.receive(conn, 3)
         except (OSError, ValueError, ConnectionError):
             conn.close()
             return None
-        if handed.get("kind") == "status":
+        if request.get("kind") == "status":
             _reply(conn, self.state())
             conn.close()
             return None
-        why = self.refuses(handed)
+        why = self.refuses(request)
         if why:
             _reply(conn, {"cold": why})
             _close(conn, fds)
             return None
-        if handed["kind"] == "command" and self._busy() >= self.workers:
-            self.waiting.append(Waiting(conn, handed, fds, time.monotonic() + handed["wait_s"]))
-            _reply(conn, {"wait": self._wait_line(handed)})
+        if request["kind"] == "command" and self._busy() >= self.workers:
+            self.waiting.append(Waiting(conn, request, fds, time.monotonic() + request["wait_s"]))
+            _reply(conn, {"wait": self._wait_line(request)})
             self.selector.register(conn, 1, "client")
             return None
-        return self._fork(conn, handed, fds)
+        return self._fork(conn, request, fds)
 
     def _busy(self) -> int:
         return sum(f.kind == "command" for f in self.running.values())
 
-    def _wait_line(self, handed: dict) -> str:
+    def _wait_line(self, request: dict) -> str:
         busy = ", ".join(f"pid {f.pid}: {f.what}" for f in self.running.values() if f.kind == "command")
         return (f"waiting for a warm worker: all {self.workers} are running commands ({busy}); this command starts "
-                f"when one is free, or gives up after {handed['wait_s']:g} s (`orchestrate up --workers N` keeps more)")
+                f"when one is free, or gives up after {request['wait_s']:g} s (`orchestrate up --workers N` keeps more)")
 
-    def refuses(self, handed: dict) -> str | None:
+    def refuses(self, request: dict) -> str | None:
         """Why this request must run in a process of its own (a line), or None."""
         if self.stopping:
             return "the warm pool is stopping (`orchestrate down`): this command runs in its own process"
         if self.cuda:
             return ("the warm pool's imports started CUDA, which a fork cannot use: this command runs in its own "
                     "process (the pool's log names what it imported)")
-        if handed.get("prefix") != sys.prefix:
-            return (f"the warm pool runs the Python of {sys.prefix}, this command {handed.get('prefix')}: it runs in its "
+        if request.get("prefix") != sys.prefix:
+            return (f"the warm pool runs the Python of {sys.prefix}, this command {request.get('prefix')}: it runs in its "
                     "own process")
-        if handed.get("stamp") != self.stamp:
+        if request.get("stamp") != self.stamp:
             self.restart = True
             return ("orchestrate's code changed since the warm pool imported it: this command runs in its own "
                     "process, and the pool starts again with the new code")
-        for key in sorted({*handed["env"], *self.env}):
-            if key.startswith(IMPORT_TIME) and handed["env"].get(key) != self.env.get(key):
-                return (f"{key}={handed['env'].get(key, '(unset)')}: read when libraries are imported, and the warm "
+        for key in sorted({*request["env"], *self.env}):
+            if key.startswith(IMPORT_TIME) and request["env"].get(key) != self.env.get(key):
+                return (f"{key}={request['env'].get(key, '(unset)')}: read when libraries are imported, and the warm "
                         f"pool imported them with {self.env.get(key, '(unset)')}: this command runs in its own process")
         return None
 
-    def _fork(self, conn: socket.socket, handed: dict, fds: list[int]) -> dict | None:
+    def _fork(self, conn: socket.socket, request: dict, fds: list[int]) -> dict | None:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             self._become_fork(conn, fds)
-            if handed["kind"] == "worker":
+            if request["kind"] == "worker":
                 # A process group of its own, as Ray starts a worker in: the raylet ends a worker's
                 # group with it (its per-worker cleanup), and the pool's group is not the worker's.
                 os.setpgid(0, 0)
-            return handed
+            return request
         for fd in fds:
             os.close(fd)
-        self.served[handed["kind"]] += 1
-        what = " ".join(handed["program"][-1:] + handed["argv"])[:200] if handed["kind"] == "command" else \
+        self.served[request["kind"]] += 1
+        what = " ".join(request["program"][-1:] + request["argv"])[:200] if request["kind"] == "command" else \
             "a Ray worker"
-        self.running[pid] = Fork(pid, conn, handed["kind"], what)
+        self.running[pid] = Fork(pid, conn, request["kind"], what)
         with contextlib.suppress(OSError, KeyError, ValueError):
             self.selector.unregister(conn)
         self.selector.register(conn, 1, "client")
@@ -264,13 +264,13 @@ class Pool:
         for waiting in [w for w in self.waiting if now >= w.until]:
             self.waiting.remove(waiting)
             self.selector.unregister(waiting.conn)
-            _reply(waiting.conn, {"timeout": f"error: no warm worker was free within {waiting.handed['wait_s']:g} s "
+            _reply(waiting.conn, {"timeout": f"error: no warm worker was free within {waiting.request['wait_s']:g} s "
                                              f"(all {self.workers} ran commands): `orchestrate up --workers N` keeps "
                                              "more, ORCHESTRATE_WARM=0 runs a command in its own process"})
             _close(waiting.conn, waiting.fds)
         if self.waiting and self._busy() < self.workers and not (self.stopping or self.restart):
             waiting = self.waiting.popleft()
-            return self._fork(waiting.conn, waiting.handed, waiting.fds)
+            return self._fork(waiting.conn, waiting.request, waiting.fds)
         return None
 
     def state(self) -> dict:
@@ -383,26 +383,26 @@ def _drain(fd: int) -> None:
 
 # ---- the fork ------------------------------------------------------------------------------------
 
-def become(handed: dict, pool_env: dict) -> None:
+def become(request: dict, pool_env: dict) -> None:
     """In the fork: take the client's streams, folder, environment and arguments as a fresh
     process would have them, then run the program as __main__ (its SystemExit is this process's)."""
     import runpy
 
-    _fresh_streams(handed["env"])
-    os.chdir(handed["cwd"])
+    _fresh_streams(request["env"])
+    os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(handed["env"])
-    _thread_count(handed["env"], pool_env)
-    program = handed["program"]
-    first = handed["cwd"] if program[0] == "-m" else os.path.dirname(os.path.abspath(program[0]))
+    os.environ.update(request["env"])
+    _thread_count(request["env"], pool_env)
+    program = request["program"]
+    first = request["cwd"] if program[0] == "-m" else os.path.dirname(os.path.abspath(program[0]))
     own = [p for p in pool_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    wanted = [os.path.abspath(p) for p in handed["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    wanted = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *wanted, *(p for p in sys.path[1:] if p not in own and p not in wanted)]
     if program[0] == "-m":
-        sys.argv = [program[1], *handed["argv"]]
+        sys.argv = [program[1], *request["argv"]]
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [program[0], *handed["argv"]]
+        sys.argv = [program[0], *request["argv"]]
         runpy.run_path(program[0], run_name="__main__")
 
 
@@ -503,10 +503,10 @@ def main(argv: list[str]) -> int:
     if what == "supervise":
         return supervise(rest[0], int(rest[1]), rest[2])
     server = Pool(rest[0], int(rest[1]), int(rest[2]), json.loads(rest[3]))
-    handed = server.serve()  # returns only in a fork
+    request = server.serve()  # returns only in a fork
     code = 0
     try:
-        become(handed, server.env)
+        become(request, server.env)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else _said(e.code))
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception

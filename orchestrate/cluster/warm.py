@@ -160,7 +160,7 @@ def runtime():
                    server_artifacts=stack.artifacts if server else None, forked=pool.forked())
 
 
-def hand_over(argv: list[str]) -> int | None:
+def dispatch(argv: list[str]) -> int | None:
     """`python -m orchestrate ARGS` on the warm stack: the command runs as a fork of the warm pool,
     this process standing in for it; its exit code, or None to run here (no pool, ORCHESTRATE_WARM=0,
     already a fork, or the pool cannot take it: a line says why)."""
@@ -176,7 +176,7 @@ def hand_over(argv: list[str]) -> int | None:
         print(f"the warm pool of {record_path()} {why}: this command runs in its own process", file=sys.stderr,
               flush=True)
         return None
-    return pool.hand_over(pool.Handed("command", ["-m", "orchestrate"], argv, wait_s=pool.wait_s_of(argv)), sock)
+    return pool.dispatch(pool.Request("command", ["-m", "orchestrate"], argv, wait_s=pool.wait_s_of(argv)), sock)
 
 
 # ---- up and down ---------------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def check_extensions(scratch: Path) -> tuple[bool, str]:
 # ---- services ----------------------------------------------------------------------------------
 
 def check_tracking(uri: str, source: str, timeout_s: float) -> tuple[bool, str]:
-    from orchestrate.redact import redact_text
+    from orchestrate.tracking.redact import redact_text
     from orchestrate.tracking.stores import unreachable
 
     problem = unreachable(uri, timeout_s)  # None, or a sentence that names the URI and the cause

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from orchestrate import errors
 from orchestrate.boundary import TOOL, Where, boundary
-from orchestrate.redact import HIDDEN, redact_text
 from orchestrate.tracking.outbox import SENT_SUFFIX, UNSENT_FILE, ThreadFilter, cause, read_unsent, send_unsent
+from orchestrate.tracking.redact import HIDDEN, redact_text
 
 
 def folder_uri(folder: Path) -> str | None:

@@ -31,11 +31,11 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrate import schema, thirdparty
-from orchestrate.redact import redact_text
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import plan, remote
 from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
 from orchestrate.sweeps.slurm import is_slurm
+from orchestrate.tracking.redact import redact_text
 
 log = logging.getLogger(__name__)
 GRPC_STOP_S = 10.0  # the longest the study's gRPC proxy waits for its last calls when the sweep ends

@@ -14,13 +14,13 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import plots
 from orchestrate.cluster import ray_cluster, runtime
-from orchestrate.redact import redact_override
 from orchestrate.sweeps import _server, _summary, compare, pareto, plan, pruning, remote
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.slurm import is_slurm
+from orchestrate.tracking import plots
 from orchestrate.tracking.handover import ParentRun
+from orchestrate.tracking.redact import redact_override
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
 from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
 

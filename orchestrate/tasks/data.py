@@ -13,8 +13,8 @@ from typing import Annotated, Protocol
 import numpy as np
 import torch
 
-from orchestrate import losses
 from orchestrate.schema import AT_LEAST_1, FRACTION, SEED
+from orchestrate.tasks import losses
 
 
 class DataSet(Protocol):
@@ -22,7 +22,7 @@ class DataSet(Protocol):
     are served by position): one built data set serves every run of a process that asks for the
     same config (orchestrate.job.build_data: a sweep's trials on one Ray worker)."""
 
-    loss: str  # a name in orchestrate.losses.LOSSES: how the model's output is scored
+    loss: str  # a name in orchestrate.tasks.losses.LOSSES: how the model's output is scored
 
     def train_batch(self, position: int, batch_size: int, seed: int, rank: int = 0,
                     world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

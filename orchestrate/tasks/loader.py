@@ -19,7 +19,7 @@ Dataset in `MapData` with its defaults.)
   sampler that yields exactly the index lists of the positions asked for: a slow `__getitem__`
   (a file read, a decode) runs while the step computes. The loop asks for positions in order; a
   jump (a resume, `backend=auto`'s next probe) starts the loader again at the new position. On a
-  GPU the PyTorch loops pin and copy each batch on a stream of their own (orchestrate.prefetch).
+  GPU the PyTorch loops pin and copy each batch on a stream of their own (orchestrate.tasks.prefetch).
 - **An eval split**: `eval_dataset` (a second Dataset), or a seeded `eval_fraction` of
   `dataset`'s indices, never trained on; at most `max_eval_items` of them (HF's
   `max_eval_samples`: on a corpus of gigabytes a fraction is hours of evaluation).
@@ -38,9 +38,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from orchestrate import cpu, losses
+from orchestrate import cpu
 from orchestrate.errors import first_line
 from orchestrate.schema import AT_LEAST_0, AT_LEAST_1, FRACTION, SEED
+from orchestrate.tasks import losses
 
 
 class ItemError(Exception):

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrate.redact import redact_text
 from orchestrate.tracking import datasets, models
 from orchestrate.tracking.outbox import END_WAIT_S, UNSENT_FILE, Artifact, Model, Outbox, cause
+from orchestrate.tracking.redact import redact_text
 from orchestrate.tracking.settings import quick_http, set_env
 
 log = logging.getLogger(__name__)

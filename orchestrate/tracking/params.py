@@ -6,7 +6,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.redact import redact
+from orchestrate.tracking.redact import redact
 
 # Keys that may differ between a run and its continuation; every other key must be the same.
 RESUME_FREE = ("trainer.resume", "trainer.progress")
@@ -14,7 +14,7 @@ RESUME_FREE = ("trainer.resume", "trainer.progress")
 
 def flatten(cfg: DictConfig) -> dict[str, str]:
     """The resolved config as `a.b.c -> value`, the form MLflow params take, secrets hidden
-    (orchestrate.redact)."""
+    (orchestrate.tracking.redact)."""
     out: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:

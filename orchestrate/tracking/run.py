@@ -24,13 +24,13 @@ from omegaconf import DictConfig
 
 from orchestrate import errors
 from orchestrate.meter import Diverged
-from orchestrate.redact import redact, redacted_yaml
 from orchestrate.tracking.environment import installed_packages, run_tags
 from orchestrate.tracking.handover import handed_over_run, interrupted, tell_wrapper
 from orchestrate.tracking.logger import RunLogger
 from orchestrate.tracking.models import NotRegistered
 from orchestrate.tracking.outbox import UNSENT_FILE, cause, send_unsent
 from orchestrate.tracking.params import flatten
+from orchestrate.tracking.redact import redact, redacted_yaml
 from orchestrate.tracking.resume import ResumePoint, close_orphans, find_resume
 from orchestrate.tracking.settings import quick_http, set_env
 from orchestrate.tracking.stores import absolute_uri, mark_for_training, new_sqlite_store, training_experiment

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from orchestrate.redact import redact_text
 from orchestrate.tracking.outbox import cause
+from orchestrate.tracking.redact import redact_text
 
 log = logging.getLogger(__name__)
 

@@ -190,10 +190,10 @@ def test_the_pool_answers_its_user_only(warm_stack, tmp_path):
     assert Path(path).parent.stat().st_mode & 0o777 == 0o700
 
 
-def refusal(**handed) -> str | None:
+def refusal(**request) -> str | None:
     state = pool_process.Pool("/nonexistent", 1)
     state.stamp = "stamp"
-    return state.refuses({"prefix": sys.prefix, "stamp": "stamp", "env": dict(os.environ), **handed})
+    return state.refuses({"prefix": sys.prefix, "stamp": "stamp", "env": dict(os.environ), **request})
 
 
 def test_what_a_fork_could_not_be_as_a_fresh_process_runs_cold_with_one_line():

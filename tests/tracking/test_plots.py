@@ -1,4 +1,4 @@
-"""Loss curves (orchestrate.plots): drawn without a display, matplotlib's notices in the log only."""
+"""Loss curves (orchestrate.tracking.plots): drawn without a display, matplotlib's notices in the log only."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 DRAW = textwrap.dedent("""
     import logging, sys
     from pathlib import Path
-    from orchestrate.plots import loss_curves
+    from orchestrate.tracking.plots import loss_curves
 
     folder = Path(sys.argv[1])
     root = logging.getLogger()

@@ -4,7 +4,7 @@ where accuracy means something."""
 import pytest
 import torch
 
-from orchestrate import losses
+from orchestrate.tasks import losses
 
 
 def test_cross_entropy_flattens_language_model_logits():

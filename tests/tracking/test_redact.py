@@ -6,7 +6,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrate.redact import HIDDEN, is_secret, redact, redact_override, redact_text
+from orchestrate.tracking.redact import HIDDEN, is_secret, redact, redact_override, redact_text
 
 
 @pytest.mark.parametrize("key", ["password", "db.password", "DB_PASSWD", "api_key", "apiKey", "hf_token",
