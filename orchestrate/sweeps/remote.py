@@ -9,6 +9,11 @@ study is served to the trials by Optuna's gRPC storage proxy on the same address
 (orchestrate.sweeps._optuna); and a store the trials could not write is refused before anything
 starts (`check_reporting`). Neither server asks for credentials: they listen on the cluster's
 network only, as Ray itself does.
+
+The runner's rank 0 on another host reports back another way (orchestrate.backends.runner.relay:
+a Ray actor on the driver's node), for reasons both ways state in docs/cluster.md ("How results
+get back to the driver"): a sweep's trials may run without Ray (Slurm jobs) and each is a run of
+its own, where the runner always has Ray's connection and one run the driver owns.
 """
 
 import os

@@ -16,6 +16,12 @@ Files (checkpoints, ONNX models, TensorBoard's folder) travel as bytes in Ray's 
 read and sent from a thread of rank 0's, and are written beside the driver before they are
 logged. Training waits only where it waited before: a checkpoint's flush, the history a
 restarted rank 0 carries on, and the end.
+
+A sweep's trials on other hosts report back another way (orchestrate.sweeps.remote: the sweep
+serves its MLflow store and Optuna study on the network), for reasons both ways state in
+docs/cluster.md ("How results get back to the driver"): the runner always has Ray's connection
+and one run whose store may be a server-less SQLite file; a sweep's trials may run without Ray
+(Slurm jobs) and each is a run of its own.
 """
 
 import logging
