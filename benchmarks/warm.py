@@ -1,23 +1,34 @@
-"""Warm against cold: whole commands as a user types them, with and without `orchestrate up`
-(orchestrate.cluster.warm, its pool: orchestrate.cluster.pool), against the import floor and the
-one-process run measured in the same script.
+"""What each start-up accelerator pays: whole commands as a user types them, under each mechanism
+alone and all together, against the import floor and the one-process run measured in the same
+script.
 
     python benchmarks/warm.py                  # every case, best of 3
     python benchmarks/warm.py --repeats 2 --cases single sweep
 
-Cases ("cold": no stack recorded, each command in a fresh folder; "warm": the stack this script
-starts once with `orchestrate up`, each command in its folder, whose store its MLflow server
-fronts, as a user runs them after `orchestrate up` in a project):
+The mechanisms (each a column):
+  cold, nothing     no stack recorded, ORCHESTRATE_EARLY_START=0: every command starts what it needs,
+                    in order
+  early start       cold, with Ray and a sweep's MLflow server begun while the command line checks
+                    the config (orchestrate.sweeps.early, Backend.start_early)
+  stack             `orchestrate up --workers 0`: the warm Ray head and MLflow server, no pool
+                    (ORCHESTRATE_EARLY_START=0)
+  stack + pool      `orchestrate up`: the head, the server and the warm pool (every command and Ray
+                    worker a fork of a pre-imported process), ORCHESTRATE_EARLY_START=0
+  all               the same with early start: what a user gets after `orchestrate up`
+Each warm command runs in the stack's folder, whose store its MLflow server fronts (as a user
+runs them after `orchestrate up` in a project); each cold one in a fresh folder.
+
+Cases (each a row):
   floor    `python -c "import torch, torch._dynamo, sklearn.datasets, mlflow, hydra, ..."`: what any
            cold command pays before it does anything
   single   `backend=torch trainer.max_steps=1`
   sweep    `+sweep=lr_grid backend=torch trainer.max_steps=100 ...`: 3 trials on the Ray launcher
            (each repeat its own experiment: a repeated sweep would skip its finished trials)
   runner   `backend=runner trainer.num_workers=2` 300 steps, against `backend=torch` with the same
-           steps (the one-process run), each cold and warm
+           steps (the one-process run)
 
-Prints a markdown table (seconds, best of --repeats; ratios to the floor and to the one-process run),
-then the targets of issue 43 as ratios measured here.
+Prints a markdown table (seconds, best of --repeats; ratios to the floor), then the targets of
+issues 43 and 54 as ratios measured here.
 """
 
 import argparse
@@ -35,86 +46,95 @@ SWEEP = ["+sweep=lr_grid", "backend=torch", "trainer.max_steps=100", *QUIET]
 ONE_PROCESS = ["backend=torch", "trainer.max_steps=300", *QUIET]
 RUNNER = ["backend=runner", "backend.engine=torch", "trainer.num_workers=2", "trainer.max_steps=300", *QUIET]
 # (what, ratio of, to, at most)
-TARGETS = [("warm 3-trial sweep / import floor", "sweep warm", "floor", 0.8),
-           ("warm 1-step run / import floor", "single warm", "floor", 0.4),
-           ("warm runner, 2 workers / its one-process run (warm)", "runner warm", "one process warm", 1.5),
-           ("cold runner, 2 workers / its one-process run (cold)", "runner cold", "one process cold", 2.0)]
+TARGETS = [("warm 3-trial sweep / import floor", "sweep all", "floor", 0.7),
+           ("warm 1-step run / import floor", "single all", "floor", 0.3),
+           ("warm runner, 2 workers / its one-process run (warm)", "runner all", "one process all", 1.5),
+           ("cold runner, 2 workers / its one-process run (cold)", "runner early start", "one process early start", 2.0)]
+# column -> (state folder, ORCHESTRATE_EARLY_START, whether it runs in the stack's folder)
+MECHANISMS = {"cold, nothing": ("cold", "0", False), "early start": ("cold", "1", False),
+              "stack": ("stack", "0", True), "stack + pool": ("pool", "0", True), "all": ("pool", "1", True)}
 
 
 class Bench:
     def __init__(self, root: Path, repeats: int) -> None:
         self.root, self.repeats = root, repeats
-        self.cold, self.warm, self.stack = root / "cold-state", root / "warm-state", root / "stack"
-        for folder in (self.cold, self.warm, self.stack):
+        self.states = {name: root / f"{name}-state" for name in ("cold", "stack", "pool")}
+        self.folders = {name: root / f"{name}-folder" for name in ("stack", "pool")}
+        for folder in [*self.states.values(), *self.folders.values()]:
             folder.mkdir()
         self.seconds: dict[str, float] = {}
         self.runs = 0
 
-    def timed(self, argv: list[str], warm: bool, in_stack: bool = False) -> float:
-        """Seconds of one whole command (in a fresh folder, or the stack's)."""
+    def timed(self, argv: list[str], mechanism: str) -> float:
+        """Seconds of one whole command under `mechanism` (MECHANISMS)."""
+        state, early, in_stack = MECHANISMS[mechanism]
         self.runs += 1
-        folder = self.stack if in_stack else Path(tempfile.mkdtemp(dir=self.root))
-        env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(self.warm if warm else self.cold)}
+        folder = self.folders[state] if in_stack else Path(tempfile.mkdtemp(dir=self.root))
+        env = {**os.environ, "ORCHESTRATE_STATE_DIR": str(self.states[state]), "ORCHESTRATE_EARLY_START": early}
         began = time.perf_counter()
         done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
         seconds = time.perf_counter() - began
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-        if warm and argv[1:3] == ["-m", "orchestrate"] and "in a fork of the warm pool" not in done.stdout:
-            raise SystemExit(f"{' '.join(argv)} did not run on the warm pool:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        forked = "in a fork of the warm pool" in done.stdout
+        if argv[1:3] == ["-m", "orchestrate"] and forked != (state == "pool"):
+            raise SystemExit(f"{' '.join(argv)} ran {'' if forked else 'not '}on the warm pool under {mechanism}:\n"
+                             f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
         return seconds
 
-    def best(self, name: str, argv: list[str], warm: bool = False, in_stack: bool = False,
-             own_experiment: bool = False) -> None:
+    def best(self, name: str, argv: list[str], mechanism: str = "cold, nothing", own_experiment: bool = False) -> None:
         """Best of `repeats`; `own_experiment`: each its own tracking.experiment (a sweep run again in
         the same store would skip its finished trials)."""
-        self.seconds[name] = min(
-            self.timed([*argv, *([f"tracking.experiment=bench-{self.runs}"] if own_experiment else [])], warm, in_stack)
+        key = f"{name} {mechanism}" if name != "floor" else name
+        self.seconds[key] = min(
+            self.timed([*argv, *([f"tracking.experiment=bench-{self.runs}"] if own_experiment else [])], mechanism)
             for _ in range(self.repeats))
-        print(f"{name}: {self.seconds[name]:.1f} s (best of {self.repeats})", file=sys.stderr, flush=True)
+        print(f"{key}: {self.seconds[key]:.1f} s (best of {self.repeats})", file=sys.stderr, flush=True)
+
+    def orchestrate(self, state: str, *words: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=self.folders[state],
+                              env={**os.environ, "ORCHESTRATE_STATE_DIR": str(self.states[state])}, capture_output=True,
+                              text=True, timeout=600)
 
     def up(self) -> None:
-        done = subprocess.run([sys.executable, "-m", "orchestrate", "up"], cwd=self.stack,
-                              env={**os.environ, "ORCHESTRATE_STATE_DIR": str(self.warm)}, capture_output=True,
-                              text=True, timeout=600)
-        if done.returncode != 0:
-            raise SystemExit(f"orchestrate up failed:\n{done.stdout}{done.stderr}")
+        for state, words in (("stack", ["--workers", "0"]), ("pool", [])):
+            done = self.orchestrate(state, "up", *words)
+            if done.returncode != 0:
+                raise SystemExit(f"orchestrate up failed:\n{done.stdout}{done.stderr}")
 
     def down(self) -> None:
-        subprocess.run([sys.executable, "-m", "orchestrate", "down"], cwd=self.stack,
-                       env={**os.environ, "ORCHESTRATE_STATE_DIR": str(self.warm)}, capture_output=True, timeout=300)
+        for state in ("stack", "pool"):
+            self.orchestrate(state, "down")
 
 
 def measure(bench: Bench, cases: list[str]) -> None:
     py = [sys.executable, "-m", "orchestrate"]
     bench.best("floor", [sys.executable, "-c", FLOOR])
-    if "single" in cases:
-        bench.best("single cold", [*py, *SINGLE])
-        bench.best("single warm", [*py, *SINGLE], warm=True)
-    if "sweep" in cases:
-        bench.best("sweep cold", [*py, *SWEEP])
-        bench.best("sweep warm", [*py, *SWEEP], warm=True, in_stack=True, own_experiment=True)
-    if "runner" in cases:
-        for how in ("cold", "warm"):
-            bench.best(f"one process {how}", [*py, *ONE_PROCESS], warm=how == "warm")
-            bench.best(f"runner {how}", [*py, *RUNNER], warm=how == "warm")
+    for mechanism in MECHANISMS:  # one mechanism at a time, every case under it
+        if "single" in cases:
+            bench.best("single", [*py, *SINGLE], mechanism)
+        if "sweep" in cases:
+            bench.best("sweep", [*py, *SWEEP], mechanism, own_experiment=True)
+        if "runner" in cases:
+            bench.best("one process", [*py, *ONE_PROCESS], mechanism)
+            bench.best("runner", [*py, *RUNNER], mechanism)
 
 
 def report(bench: Bench) -> None:
     s = bench.seconds
     floor = s["floor"]
-    print(f"\nwarm against cold, best of {bench.repeats} (seconds, whole command)\n")
-    print("| case | command | cold s | warm s | cold / floor | warm / floor |")
-    print("|---|---|---:|---:|---:|---:|")
-    rows = [("floor", "python -c 'import torch, mlflow, ...'", "floor", "floor"),
-            ("single", " ".join(SINGLE), "single cold", "single warm"),
-            ("sweep", "+sweep=lr_grid backend=torch trainer.max_steps=100 (3 trials)", "sweep cold", "sweep warm"),
-            ("one process", "backend=torch, 300 steps", "one process cold", "one process warm"),
-            ("runner", "backend=runner trainer.num_workers=2, 300 steps", "runner cold", "runner warm")]
-    for case, shown, cold, warm in rows:
-        if cold in s:
-            print(f"| {case} | `{shown}` | {s[cold]:.1f} | {s[warm]:.1f} | {s[cold] / floor:.2f}x | "
-                  f"{s[warm] / floor:.2f}x |")
+    print(f"\nStart-up mechanisms alone and together, best of {bench.repeats} (seconds, whole command; "
+          f"x: to the import floor, {floor:.1f} s)\n")
+    print("| case | command | " + " | ".join(MECHANISMS) + " |")
+    print("|---|---|" + "---:|" * len(MECHANISMS))
+    rows = [("single", " ".join(SINGLE)),
+            ("sweep", "+sweep=lr_grid backend=torch trainer.max_steps=100 (3 trials)"),
+            ("one process", "backend=torch, 300 steps"),
+            ("runner", "backend=runner trainer.num_workers=2, 300 steps")]
+    for case, shown in rows:
+        cells = [f"{s[f'{case} {m}']:.1f} ({s[f'{case} {m}'] / floor:.2f}x)" if f"{case} {m}" in s else "" for m in MECHANISMS]
+        if any(cells):
+            print(f"| {case} | `{shown}` | " + " | ".join(cells) + " |")
     print("\n| target | measured | at most | |\n|---|---:|---:|---|")
     for what, of, to, most in TARGETS:
         if of in s and to in s:

@@ -66,7 +66,8 @@ def validate(overrides: list[str], source: ConfigSource, hydra_overrides: list[s
             if why:
                 unavailable.setdefault(why, []).append(trial.rstrip(": "))
                 return None
-            with app.start_early(cfg, runtime) if own_run else contextlib.nullcontext(), searching(source):
+            began = app.start_early(cfg, runtime) if own_run and runtime.early_start else contextlib.nullcontext()
+            with began, searching(source):
                 checked = app.check(cfg, cache, runtime)
     # The run's own command: the run takes the job over instead of building it again.
     return checked if own_run else None
@@ -90,7 +91,7 @@ def validate_sweep(flags: list[str], overrides: list[str], source: ConfigSource,
     check_trial_resources(cfg.hydra.launcher)
     # The sweep's MLflow server and Ray start now, beside the check (stopped again if it refuses).
     compose, cache, unavailable = Composer(source, hydra_overrides), app.CheckCache(), {}
-    with early.start_early(cfg, len(trials), runtime):
+    with early.start_early(cfg, len(trials), runtime) if runtime.early_start else contextlib.nullcontext():
         for index, trial in enumerate(trials):
             validate([o for o in trial if not is_hydra(o)], source, hydra_overrides,
                      trial=f"trial {index} ({' '.join(trial)}): ", compose=compose, cache=cache,

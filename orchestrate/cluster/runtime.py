@@ -34,6 +34,9 @@ class Runtime:
     server_store: str | None = None  # the SQLite store it fronts (sqlite:////abs/path)
     server_artifacts: str | None = None  # where it serves artifacts from
     forked: bool = False  # this process is a fork of the warm pool (its imports were done before it started)
+    # Ray and a sweep's MLflow server begun while the command line checks the config (cli.validate,
+    # orchestrate.sweeps.early); ORCHESTRATE_EARLY_START=0 turns it off (benchmarks/warm.py measures both)
+    early_start: bool = True
 
     @property
     def warm(self) -> bool:

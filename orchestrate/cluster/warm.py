@@ -147,9 +147,10 @@ def runtime():
     its pool; cold where there is no stack."""
     from orchestrate.cluster.runtime import Runtime
 
+    early = os.environ.get("ORCHESTRATE_EARLY_START") != "0"
     stack = found()
     if stack is None:
-        return Runtime(forked=pool.forked())
+        return Runtime(forked=pool.forked(), early_start=early)
     server = stack.server_answers()
     if not server:
         log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; a sweep starts its own "
@@ -157,7 +158,7 @@ def runtime():
     return Runtime(head=stack.ray_address, head_cpus=stack.num_cpus,
                    worker_python=pool.worker_python(stack.pool_socket) if stack.pool_answers() else None,
                    server_uri=stack.server_uri if server else None, server_store=stack.store if server else None,
-                   server_artifacts=stack.artifacts if server else None, forked=pool.forked())
+                   server_artifacts=stack.artifacts if server else None, forked=pool.forked(), early_start=early)
 
 
 def dispatch(argv: list[str]) -> int | None:
