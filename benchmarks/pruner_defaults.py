@@ -12,7 +12,7 @@ benchmark's search, replayed under candidate settings of Optuna's pruners.
           trial's slot going to the next trial at once. Each sweep in the order its trials ran and
           in 20 other seeded orders (the order a grid or a sampler proposes is arbitrary)
 
-    python benchmarks/pruner_defaults.py                   # curves and replay: the table in docs/performance.md
+    python benchmarks/pruner_defaults.py                   # curves and replay: docs/performance.md, "Pruning"
     python benchmarks/pruner_defaults.py --parts replay    # again, on the curves kept in docs/pruner-curves.json
 
 A sweep's best is the lowest final eval loss of the trials that ran to the end (the sweep summary's

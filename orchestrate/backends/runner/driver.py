@@ -250,7 +250,7 @@ class RunnerBackend(Backend):
     def in_driver(self, num_workers: int) -> bool:
         """One worker on this machine runs in the driver's own process (Ray Train's local mode:
         the same loop, the same MLflow run): no Ray, no worker group to start and stop (about as
-        long as the run's own start, measured: docs/performance.md). Not with a cluster address
+        long as the run's own start, measured: docs/performance-log.md). Not with a cluster address
         (its resources are the point) or a GPU worker; backend.max_failures restarts a worker
         group, so they need 2 or more workers (one in the driver fails with the run)."""
         return _in_driver(num_workers, self.ray_address, self.use_gpu)
