@@ -21,8 +21,11 @@ nothing that knows the warm stack (tests/test_imports.py).
 """
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,21 +36,23 @@ class Runtime:
     server_uri: str | None = None  # the warm MLflow server
     server_store: str | None = None  # the SQLite store it fronts (sqlite:////abs/path)
     server_artifacts: str | None = None  # where it serves artifacts from
+    server_answers: bool = False  # whether it answered when the entry asked
     forked: bool = False  # this process is a fork of the warm pool (its imports were done before it started)
     # Ray and a sweep's MLflow server begun while the command line checks the config (cli.validate,
     # orchestrate.sweeps.early); ORCHESTRATE_EARLY_START=0 turns it off (benchmarks/warm.py measures both)
     early_start: bool = True
 
-    @property
-    def warm(self) -> bool:
-        return bool(self.head or self.server_uri or self.forked)
-
     def server_for(self, store_uri: str) -> tuple[str, str] | None:
         """(URI, artifacts) of the warm MLflow server if it fronts `store_uri` (an absolute
-        sqlite:/// URI), else None: the sweep starts a server of its own."""
-        if self.server_uri and self.server_store == store_uri:
-            return self.server_uri, self.server_artifacts or ""
-        return None
+        sqlite:/// URI) and answered, else None: the sweep starts a server of its own (a line
+        says so when the warm one fronts the store and did not answer)."""
+        if not self.server_uri or self.server_store != store_uri:
+            return None
+        if not self.server_answers:
+            log.warning(f"the warm stack's MLflow server {self.server_uri} does not answer; this sweep starts its own "
+                        "(`orchestrate down` then `orchestrate up` starts the stack again)")
+            return None
+        return self.server_uri, self.server_artifacts or ""
 
     def start_line(self, ray: str | None, server: bool | None) -> str:
         """The summary's line on how the command started: `ray` as orchestrate.cluster.ray_cluster.how

@@ -144,21 +144,18 @@ def runtime():
     """The runtime of a command starting now (orchestrate.cluster.runtime), for the entry to hand
     down: the stack `orchestrate up` left running, as far as it answers now (its head, its pool,
     its MLflow server: a line for a server that does not), and whether this process is a fork of
-    its pool; cold where there is no stack."""
+    its pool; cold where there is no stack. Whether the server answers is only noted: a sweep
+    that would use it says so (Runtime.server_for), not every command."""
     from orchestrate.cluster.runtime import Runtime
 
     early = os.environ.get("ORCHESTRATE_EARLY_START") != "0"
     stack = found()
     if stack is None:
         return Runtime(forked=pool.forked(), early_start=early)
-    server = stack.server_answers()
-    if not server:
-        log.warning(f"the warm stack's MLflow server {stack.server_uri} does not answer; a sweep starts its own "
-                    "(`orchestrate down` then `orchestrate up` starts the stack again)")
     return Runtime(head=stack.ray_address, head_cpus=stack.num_cpus,
                    worker_python=pool.worker_python(stack.pool_socket) if stack.pool_answers() else None,
-                   server_uri=stack.server_uri if server else None, server_store=stack.store if server else None,
-                   server_artifacts=stack.artifacts if server else None, forked=pool.forked(), early_start=early)
+                   server_uri=stack.server_uri, server_store=stack.store, server_artifacts=stack.artifacts,
+                   server_answers=stack.server_answers(), forked=pool.forked(), early_start=early)
 
 
 def dispatch(argv: list[str]) -> int | None:
@@ -297,7 +294,7 @@ def up(num_cpus: int | None, store: str, workers: int | None = None, preload: di
     # The pool imports while the head and the server start.
     supervisor, pool_socket = _start_pool(workers, folder, preload or {}) if workers else (None, "")
     started, temp_dir = [supervisor.pid] if supervisor else [], None
-    try:
+    try:  # up only once everything answers; whatever did start is stopped again otherwise
         proc, address, temp_dir = _start_head(num_cpus, folder)
         started.append(proc.pid)
         new_sqlite_store(store)
@@ -305,8 +302,18 @@ def up(num_cpus: int | None, store: str, workers: int | None = None, preload: di
         with open(folder / "mlflow-server.log", "w") as server_log:
             artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts"
             server = MlflowServer(store, artifacts.resolve(), log=server_log, detached=True, outlive=True)
+        started.append(server.proc.pid)
         if supervisor:
             _wait_for_pool(supervisor, pool_socket, folder)
+        stack = Stack(ray_address=address, ray_pid=proc.pid, ray_temp_dir=temp_dir, ray_version=ray.__version__,
+                      num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
+                      artifacts=str(server.artifacts), pool_socket=pool_socket,
+                      pool_pid=supervisor.pid if supervisor else 0, pool_workers=workers)
+        gone = [what for what, answers in (("the Ray head", stack.ray_answers()),
+                                           ("the MLflow server", stack.server_answers()),
+                                           ("the warm pool", not pool_socket or stack.pool_answers())) if not answers]
+        if gone:
+            raise errors.Failed(f"{' and '.join(gone)} stopped right after starting; their output: {folder}/*.log")
     except BaseException:
         _stop_pid(*started)
         if pool_socket:
@@ -314,16 +321,6 @@ def up(num_cpus: int | None, store: str, workers: int | None = None, preload: di
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise
-    stack = Stack(ray_address=address, ray_pid=proc.pid, ray_temp_dir=temp_dir, ray_version=ray.__version__,
-                  num_cpus=num_cpus, store=store, server_uri=server.uri, server_pid=server.proc.pid,
-                  artifacts=str(server.artifacts), pool_socket=pool_socket, pool_pid=supervisor.pid if supervisor else 0,
-                  pool_workers=workers)
-    gone = [what for what, answers in (("the Ray head", stack.ray_answers()), ("the MLflow server", stack.server_answers()),
-                                       ("the warm pool", not pool_socket or stack.pool_answers())) if not answers]
-    if gone:  # up only once everything answers: what did start is stopped again
-        _stop_pid(*started, server.proc.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise errors.Failed(f"{' and '.join(gone)} stopped right after starting; their output: {folder}/*.log")
     written = record_path().with_suffix(".tmp")
     written.write_text(json.dumps(asdict(stack), indent=1))
     written.chmod(0o600)

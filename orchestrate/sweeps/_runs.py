@@ -124,8 +124,8 @@ class Sweep:
             began = time.perf_counter()
             self.host = remote.server_host(config)  # 127.0.0.1, or toward a cluster whose hosts run the trials
             self.server = early.take_server(uri)  # started by the command line, while it checked the trials
-            warm = _server.warm_server(uri, runtime.current()) if self.host == "127.0.0.1" else None
-            if self.server is None and warm is not None:
+            if self.server is None and self.host == "127.0.0.1" and \
+                    (warm := _server.warm_server(uri, runtime.current())) is not None:
                 _server.prepare_store(uri, settings.experiment)
                 self.server = warm  # the warm stack's (`orchestrate up`): taken as it is, left running
             if self.server is None:

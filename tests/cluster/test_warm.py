@@ -120,6 +120,20 @@ def test_no_record_means_cold(tmp_path, monkeypatch):
                                                           "command")
 
 
+def test_a_warm_server_that_did_not_answer_is_named_only_where_a_sweep_would_use_it(caplog):
+    """The entry notes whether the warm MLflow server answered; the line saying a sweep starts its
+    own comes when a sweep asks for it for that store, not on every command."""
+    store = "sqlite:////work/mlflow.db"
+    down = Runtime(head="127.0.0.1:1", server_uri="http://127.0.0.1:2", server_store=store, server_artifacts="/a")
+    with caplog.at_level(logging.WARNING, logger="orchestrate.cluster.runtime"):
+        assert down.server_for("sqlite:////elsewhere/mlflow.db") is None and not caplog.records
+        assert down.server_for(store) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("the warm stack's MLflow server http://127.0.0.1:2 does not answer; this sweep starts its own")
+    up = Runtime(server_uri="http://127.0.0.1:2", server_store=store, server_artifacts="/a", server_answers=True)
+    assert up.server_for(store) == ("http://127.0.0.1:2", "/a")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("words", [["backend=runner"], ["+sweep=lr_grid", "backend=torch"],
                                    ["backend=runner", "backend.ray_address=auto"]], ids=["runner", "sweep", "auto"])
