@@ -119,8 +119,7 @@ def train(cfg: DictConfig, out_dir: Path, checked: Checked | None = None, runtim
     reset_peak_rss()  # the run's own memory peak, in a process that ran others before it
     job = checked.take(cfg, out_dir) if checked is not None else None
     run_choice = checked.run if job is not None else None
-    job = job or Job.prepare(cfg, out_dir, runtime=runtime)
-    job.runtime = runtime
+    job = job or Job.prepare(cfg, out_dir, runtime=runtime)  # a checked job has it from its check
     job.meter.trial = pruning.of_this_job(cfg)  # a pruning sweep's trial: may stop before max_steps
     choices = f"{job.backend.name}-{Path(cfg.model._target_).suffix[1:]}-{Path(cfg.data._target_).suffix[1:]}"
     tags = {"backend": job.backend.name, "device": device_name(cfg), "model": cfg.model._target_,

@@ -226,7 +226,8 @@ def sys_path_edits(path: Path) -> list[tuple[int, str]]:
         return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
             and node.value.id == "sys"
 
-    found = []
+    found: dict[int, str] = {}  # line -> the innermost function around it ("": the module)
+    # ast.walk yields outer functions before the ones inside them: the innermost is written last.
     for function in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         for node in ast.walk(function):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
@@ -235,8 +236,8 @@ def sys_path_edits(path: Path) -> list[tuple[int, str]]:
             hit = hit or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                           and node.func.attr in changing and is_sys_path(node.func.value))
             if hit:
-                found.append((node.lineno, getattr(function, "name", "")))
-    return sorted({(line, max((f for ln, f in found if ln == line), key=len)) for line, _ in found})
+                found[node.lineno] = getattr(function, "name", "")
+    return sorted(found.items())
 
 
 def test_nothing_edits_the_import_path():

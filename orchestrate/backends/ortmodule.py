@@ -205,16 +205,15 @@ def export_refused(model: torch.nn.Module, sample: torch.Tensor, opset: int, log
     try:
         exported, _ = export_for_training(model, sample, opset, log_level)
     except Exception as e:  # noqa: BLE001 - whatever the exporter says is the reason
-        return f"cannot be exported by ORTModule at opset {opset}: {type(e).__name__}: {first_line(e)}"
+        return f"cannot be exported by ORTModule at opset {opset}: {errors.first_line(e, typed=True)}"
     try:
         thirdparty.ortmodule_shape_inference(exported)
     except Exception as e:  # noqa: BLE001 - whatever ORT's inference says is the reason
         # ORT's inference fails with bare assertions: the node type it was at is its function's name (_infer_Reshape).
         at = traceback.extract_tb(e.__traceback__)[-1].name
         node = f" at a {at.removeprefix('_infer_')} node" if at.startswith("_infer_") else ""
-        said = f": {first_line(e)}" if str(e).strip() else ""
         return (f"cannot be trained by ORTModule: ORT's symbolic shape inference, which ORTModule runs on its export, "
-                f"fails{node} ({type(e).__name__}{said})")
+                f"fails{node} ({errors.first_line(e, typed=True)})")
     return None
 
 
@@ -229,10 +228,6 @@ def ort_stage(error: BaseException) -> str | None:
     if any("/torch/onnx/" in f for f in files):
         return "ORTModule's export of the model"
     return None
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 @dataclass
