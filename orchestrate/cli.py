@@ -256,7 +256,9 @@ def main() -> None:
     running: orchestrate.cluster.runtime), then checked, then run with that runtime handed down."""
     from orchestrate.cluster import warm
 
-    with entered(warm.runtime()) as chosen:
+    with boundary(Where(CHECK)):  # its record and sockets read in one line if anything goes wrong
+        chosen = warm.runtime()
+    with entered(chosen):
         run(chosen)
 
 

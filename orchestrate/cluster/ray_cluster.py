@@ -169,8 +169,8 @@ def runtime_env(address: str, local: bool, python: str | None = None) -> dict | 
     """The job's runtime environment.
     - On the warm head with its pool: `python` (Ray's py_executable), the pool's client, so that
       every worker of the job is a fork of the warm pool (orchestrate.cluster.pool).
-    - Wherever it is (but a Ray Client address or `auto`): RAY_ADDRESS set in its workers to the
-      cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
+    - Wherever it is (but a Ray Client address; `auto` is resolved before this): RAY_ADDRESS set
+      in its workers to the cluster they run on. Ray Train's PlacementGroupCleaner (an actor of every run) asks Ray's
       State API about the run's controller with no address; with two Ray instances on the machine
       (a user's own `ray start` beside this one) that lookup finds both, warns "Found multiple
       active Ray instances" every second, and asks the other one, where the controller is
@@ -180,7 +180,7 @@ def runtime_env(address: str, local: bool, python: str | None = None) -> dict | 
       user's own modules: the model a `--config-dir` config names) goes to every worker, as `ray
       job submit --working-dir` sends it, without NOT_SHIPPED; not inside a Ray job that was
       submitted with a working folder of its own (the job's is the one)."""
-    own = {} if "://" in address or address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
+    own = {} if "://" in address else {"env_vars": {"RAY_ADDRESS": address}}
     if python:
         own["py_executable"] = python
     if local:
