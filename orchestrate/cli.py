@@ -263,6 +263,9 @@ def main() -> None:
 
 
 def run(chosen: Runtime) -> None:
+    from orchestrate.cluster import ray_cluster
+
+    had_ray = ray_cluster.how() is not None  # a caller's own (a notebook, a test session): left as it is
     with boundary(Where(CHECK)):
         # Options only: overrides may come before or after them (they are handed to Hydra after them).
         check_flags([f for f in split_args(sys.argv[1:])[0] if not is_hydra(f)])
@@ -302,7 +305,8 @@ def run(chosen: Runtime) -> None:
             close_open_sweeps()
             early.release()  # a server started early that no sweep took (Hydra stopped first)
         # A Ray started early and never taken (Hydra stopped before the launcher or the run asked
-        # for it) is shut down here, not torn down mid-start when the process exits.
-        from orchestrate.cluster import ray_cluster
-
+        # for it) is shut down here, not torn down mid-start when the process exits; the Ray the
+        # command started or joined (a sweep's launcher) is let go.
         ray_cluster.cancel_background_init()
+        if not had_ray:
+            ray_cluster.leave()

@@ -47,10 +47,12 @@ EARLY_START_TIMEOUT_S = 120  # longest wait for a start begun by `init_in_backgr
 # Module state: Ray is process-wide (one `ray.init` per process), and so is what this module knows
 # of it: the job id of the local Ray instance `init` started, while it runs; a start begun by
 # `init_in_background`, not yet taken by `init`; the address of the warm head (`orchestrate up`)
-# `init` joined, while joined. `shutdown` (and `cancel_background_init`) clears them.
+# `init` joined, while joined; whether `init` started or joined the Ray this process has. `leave`
+# (and `cancel_background_init`) clears them.
 _LOCAL_SESSION = None
 _EARLY: "_EarlyStart | None" = None
 _WARM = None
+_JOINED = False
 
 
 class RayUnavailable(ValueError):
@@ -88,7 +90,7 @@ def on_loopback(address: str) -> bool:
 
 
 def _start(address: str | None, key: str, runtime: "Runtime | None" = None, **local_options) -> bool:
-    global _WARM
+    global _WARM, _JOINED
     address = address or os.environ.get("RAY_ADDRESS")
     if address == "auto":  # resolved here, once: Ray's own `auto` dials the machine's address for a loopback head
         address = resolve_auto(key)
@@ -146,7 +148,22 @@ def _start(address: str | None, key: str, runtime: "Runtime | None" = None, **lo
         if refused is None:
             raise
         raise refused from None
+    _JOINED = True
     return True
+
+
+def leave() -> None:
+    """Let go of the Ray that `init` started or joined in this process (a local instance ends with
+    it), if this process still has it; nothing when Ray was the caller's own. A command ends with
+    this: Ray's own exit hook would do the same after sleeping half a second for worker output,
+    which a sweep has printed already (orchestrate.launch waits for each trial's last line)."""
+    global _JOINED, _WARM, _LOCAL_SESSION
+    joined, _JOINED = _JOINED, False
+    if joined and _initialized():
+        import ray
+
+        ray.shutdown()
+    _WARM = _LOCAL_SESSION = None
 
 
 def too_large(error: ValueError, key: str, address: str) -> RayUnavailable | None:

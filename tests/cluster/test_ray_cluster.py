@@ -140,3 +140,33 @@ def test_ray_output_that_calls_itself_harmless_goes_to_the_log_not_the_console(r
     assert "safe to ignore" not in printed and "GetTimeoutError" not in printed, printed
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "it's safe to ignore this error" in logged and "GetTimeoutError" in logged
+
+
+class FakeRay:
+    """The two calls `leave` makes of ray."""
+
+    def __init__(self) -> None:
+        self.up, self.shutdowns = True, 0
+
+    def is_initialized(self) -> bool:
+        return self.up
+
+    def shutdown(self) -> None:
+        self.up, self.shutdowns = False, self.shutdowns + 1
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_leave_lets_go_only_of_the_ray_init_started_or_joined(monkeypatch, joined):
+    """A command ends with `leave` (Ray's own exit hook sleeps half a second first): it shuts down
+    the Ray that `init` brought into this process, once, and never a Ray the caller had."""
+    from orchestrate.cluster import ray_cluster
+
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_cluster, "_JOINED", joined)
+    monkeypatch.setattr(ray_cluster, "_WARM", "127.0.0.1:6379" if joined else None)
+    ray_cluster.leave()
+    ray_cluster.leave()
+    assert fake.shutdowns == (1 if joined else 0)
+    assert fake.up is not joined
+    assert ray_cluster._WARM is None and not ray_cluster._JOINED
