@@ -22,7 +22,8 @@ terminal itself (progress bar, colours) and Ray's log files get a worker's outpu
 client forwards Ctrl-C, SIGTERM and SIGHUP to it and exits as it exited. Whatever the pool imported
 at its start that a fresh process would set up differently is checked per request: the Python
 (sys.prefix), orchestrate's code on disk (changed since: the command runs cold with one line, and
-the pool starts again once idle), and the variables read at import (IMPORT_TIME).
+the pool starts again once idle), the variables read at import (IMPORT_TIME) and the folders
+PYTHONPATH names (sys.path is the pool's: a fork never edits it).
 
 Three processes (`up` starts them, `down` stops their process group):
 - the supervisor: starts the pool's process, and again when it ends (kill -9, a crash,

@@ -28,10 +28,16 @@ QUICK_S = 60.0
 # other values would not behave as a fresh process does, so such a request runs cold. The thread
 # counts (OMP_NUM_THREADS, MKL_NUM_THREADS; Ray sets them per worker) are not here: the fork sets
 # torch's thread count from them, as a fresh process starts with.
-IMPORT_TIME = ("PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC",
+IMPORT_TIME = ("PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC",
                "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                "PYTORCH_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_CBWR", "MPLBACKEND", "CUDA_MODULE_LOADING")
 NOT_IMPORTED = ("ray", "__main__")  # Ray reads its settings when imported: each fork imports it as set up
+# Where Python looks for modules (sys.path) is set when it starts (PYTHONPATH, made absolute against
+# the folder it starts in, and the IMPORT_TIME variables above): a fork keeps the pool's, and a
+# request whose PYTHONPATH names other folders runs cold. The pool runs as `python -c` (SERVE), whose
+# first entry ("") is the folder the process is in when it imports: a fork's is the client's (it
+# changes to it), as a `python -m` program's is.
+SERVE = "import sys; from orchestrate.cluster import pool_process; raise SystemExit(pool_process.main(sys.argv[1:]))"
 
 
 @dataclass
@@ -65,7 +71,7 @@ class Pool:
         self.served = {"command": 0, "worker": 0}
         self.started = time.time()
         self.stopping = self.restart = False
-        self.env = dict(os.environ)
+        self.env, self.cwd = dict(os.environ), os.getcwd()
         self.stamp = ""
         self.cuda = False
 
@@ -174,6 +180,10 @@ class Pool:
             self.restart = True
             return ("orchestrate's code changed since the warm pool imported it: this command runs in its own "
                     "process, and the pool starts again with the new code")
+        if import_path(request["env"], request["cwd"]) != import_path(self.env, self.cwd):
+            return (f"PYTHONPATH={request['env'].get('PYTHONPATH', '(unset)')}: where Python looks for modules, set "
+                    f"when it starts, and the warm pool started with {self.env.get('PYTHONPATH', '(unset)')} in "
+                    f"{self.cwd}: this command runs in its own process")
         for key in sorted({*request["env"], *self.env}):
             if key.startswith(IMPORT_TIME) and request["env"].get(key) != self.env.get(key):
                 return (f"{key}={request['env'].get(key, '(unset)')}: read when libraries are imported, and the warm "
@@ -393,11 +403,7 @@ def become(request: dict, pool_env: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _thread_count(request["env"], pool_env)
-    program = request["program"]
-    first = request["cwd"] if program[0] == "-m" else os.path.dirname(os.path.abspath(program[0]))
-    own = [p for p in pool_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    wanted = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [first, *wanted, *(p for p in sys.path[1:] if p not in own and p not in wanted)]
+    program = request["program"]  # sys.path as the pool's: its first entry, "", is now the client's folder (IMPORT_PATH)
     if program[0] == "-m":
         sys.argv = [program[1], *request["argv"]]
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)
@@ -445,6 +451,11 @@ def _fresh_streams(env: dict) -> None:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
 
 
+def import_path(env: dict, cwd: str) -> list[str]:
+    """The folders PYTHONPATH names, absolute, as Python puts them on sys.path when it starts in `cwd`."""
+    return [os.path.normpath(os.path.join(cwd, p)) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def _thread_count(env: dict, pool_env: dict) -> None:
     """torch's threads as a fresh process would start with them (OpenMP read OMP_NUM_THREADS when
     the pool imported torch)."""
@@ -481,8 +492,8 @@ def supervise(socket_path: str, workers: int, preload: str) -> int:
     generation = 0
     while not stopping:
         began = time.monotonic()
-        child[:] = [subprocess.Popen([sys.executable, "-m", "orchestrate.cluster.pool_process", "serve", socket_path,
-                                      str(workers), str(generation), preload], stdin=subprocess.DEVNULL)]
+        child[:] = [subprocess.Popen([sys.executable, "-c", SERVE, "serve", socket_path, str(workers), str(generation),
+                                      preload], stdin=subprocess.DEVNULL)]
         code = child[0].wait()
         if stopping:
             break

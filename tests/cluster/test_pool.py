@@ -88,6 +88,23 @@ def test_a_command_runs_as_a_fork_and_its_own_process_imports_no_torch(warm_stac
     assert list(refused.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_fork_imports_the_users_modules_from_its_folder_and_another_pythonpath_runs_cold(warm_stack, tmp_path):
+    """sys.path as a fresh `python -m orchestrate` has it, without the fork editing it: the model a
+    user keeps in the command's folder imports; a PYTHONPATH the pool did not start with runs the
+    command in its own process, with one line saying why."""
+    (tmp_path / "mine.py").write_text("from orchestrate.tasks.models import MLP\n\n\nclass Mine(MLP):\n    pass\n")
+    words = [*here(QUICK), "trainer.max_steps=2", "model._target_=mine.Mine", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    code, out, err = finished(command(words, tmp_path, warm_stack.state))
+    assert code == 0 and FORK_LINE in out, err[-3000:]
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "mine.py").write_text((tmp_path / "mine.py").read_text())
+    code, out, err = finished(command(words, tmp_path / "lib", warm_stack.state, PYTHONPATH=str(lib)))
+    assert code == 0 and FORK_LINE not in out, err[-3000:]
+    assert f"PYTHONPATH={lib}: where Python looks for modules" in out + err
+
+
 # Every backend but auto, whose choice among them depends on timing (what it chooses is one of these).
 REUSED = backend_params([b for b in BACKENDS if b != "auto"])
 
@@ -190,10 +207,15 @@ def test_the_pool_answers_its_user_only(warm_stack, tmp_path):
     assert Path(path).parent.stat().st_mode & 0o777 == 0o700
 
 
-def refusal(**request) -> str | None:
+def refusal(pythonpath: str | None = None, **request) -> str | None:
+    """The pool's answer to a request (its environment and folder this process's unless given);
+    `pythonpath`: the PYTHONPATH the pool started with."""
     state = pool_process.Pool("/nonexistent", 1)
     state.stamp = "stamp"
-    return state.refuses({"prefix": sys.prefix, "stamp": "stamp", "env": dict(os.environ), **request})
+    if pythonpath is not None:
+        state.env = {**state.env, "PYTHONPATH": pythonpath}
+    return state.refuses({"prefix": sys.prefix, "stamp": "stamp", "env": dict(os.environ), "cwd": os.getcwd(),
+                          **request})
 
 
 def test_what_a_fork_could_not_be_as_a_fresh_process_runs_cold_with_one_line():
@@ -203,6 +225,13 @@ def test_what_a_fork_could_not_be_as_a_fresh_process_runs_cold_with_one_line():
     assert refusal(env={**os.environ, "PYTHONHASHSEED": "7"}).startswith("PYTHONHASHSEED=7: read when libraries are "
                                                                         "imported")
     assert refusal(env={**os.environ, "OMP_NUM_THREADS": "1"}) is None  # the fork sets torch's threads from it
+    # sys.path is the pool's: a PYTHONPATH naming other folders runs cold; the same folders, written
+    # relative to another folder, do not
+    here = os.getcwd()
+    assert refusal(env={**os.environ, "PYTHONPATH": "/elsewhere"}, cwd=here).startswith(
+        "PYTHONPATH=/elsewhere: where Python looks for modules")
+    assert refusal(env={**os.environ, "PYTHONPATH": os.path.basename(here)}, cwd=os.path.dirname(here),
+                   pythonpath=here) is None
 
 
 def test_a_commands_wait_is_its_placement_timeout():
