@@ -28,7 +28,8 @@ QUICK_S = 60.0
 # other values would not behave as a fresh process does, so such a request runs cold. The thread
 # counts (OMP_NUM_THREADS, MKL_NUM_THREADS; Ray sets them per worker) are not here: the fork sets
 # torch's thread count from them, as a fresh process starts with.
-IMPORT_TIME = ("PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC",
+IMPORT_TIME = ("PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS",
+               "PYTHONDEVMODE", "PYTHONMALLOC",
                "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
                "PYTORCH_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_CBWR", "MPLBACKEND", "CUDA_MODULE_LOADING")
 NOT_IMPORTED = ("ray", "__main__")  # Ray reads its settings when imported: each fork imports it as set up
