@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import platform
 import tempfile
 import time
 from collections.abc import Iterator
@@ -14,12 +15,14 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrate import errors
 from orchestrate.cluster import ray_cluster, runtime
 from orchestrate.sweeps import _server, _summary, compare, pareto, plan, pruning, remote
 from orchestrate.sweeps._server import own_server
 from orchestrate.sweeps.slurm import is_slurm
 from orchestrate.tracking import plots
 from orchestrate.tracking.handover import ParentRun
+from orchestrate.tracking.owner import STALE_S, Heartbeat, Owner
 from orchestrate.tracking.redact import redact_override
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
 from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
@@ -29,6 +32,9 @@ SWEEP_KEY = "orchestrate.sweep_key"
 TRIAL_KEY = "orchestrate.trial"
 INDEX_KEY = "orchestrate.trial_index"
 PARENT_KEY = "mlflow.parentRunId"
+ATTEMPT_KEY = "orchestrate.sweep.attempt"  # on the parent and each trial: the command on the sweep that ran it
+OWNER_KEY = "orchestrate.sweep.owner"  # on the parent: the process running the sweep (orchestrate.tracking.owner)
+BEAT_KEY = "orchestrate.sweep.alive_at"  # on the parent: its heartbeat, seconds since the epoch
 REACH_TIMEOUT_S = 20.0  # the longest a trial waits for the sweep's MLflow server to answer before its run opens
 
 
@@ -85,7 +91,7 @@ def open_trial(parent: ParentRun, config: DictConfig) -> str:
     run = MlflowClient(tracking_uri=parent.uri).create_run(
         parent.experiment_id, run_name=name,
         tags=resolve_tags({PARENT_KEY: parent.run_id, TRIAL_KEY: name, INDEX_KEY: str(config.hydra.job.num),
-                           "orchestrate.role": "trial"}))
+                           ATTEMPT_KEY: str(parent.attempt), "orchestrate.role": "trial"}))
     return run.info.run_id
 
 
@@ -100,14 +106,37 @@ def close_trial(uri: str, run_id: str, failed: BaseException | None) -> None:
     client.set_terminated(run_id, "FAILED" if failed is not None else "FINISHED")
 
 
+class SweepRunning(errors.Refused):
+    """The same sweep is being run by another command now."""
+
+
+def refuse_if_running(run, experiment: str) -> None:
+    """A parent run RUNNING whose process still runs (orchestrate.tracking.owner): SweepRunning,
+    naming it. One command per sweep at a time: the second would fail the first's running trials
+    in the study and run them again beside it."""
+    tags = run.data.tags
+    owner = Owner.parse(tags.get(OWNER_KEY))
+    beat = float(tags[BEAT_KEY]) if tags.get(BEAT_KEY, "").replace(".", "", 1).isdigit() else None
+    if run.info.status != "RUNNING" or owner is None or not owner.alive(beat):
+        return
+    heard = f"; its last heartbeat {time.time() - beat:.0f} s ago (gone once silent for {STALE_S:g} s)" \
+        if beat is not None and owner.host != platform.node() else ""
+    raise SweepRunning(f"this sweep is running already: attempt {tags.get(ATTEMPT_KEY, '?')}, {owner}{heard} "
+                       f"(MLflow parent run {run.info.run_id}, experiment '{experiment}'); one command per sweep "
+                       f"at a time: wait for it to end, or stop it (Ctrl-C in its terminal, or kill {owner.pid} on "
+                       f"{owner.host}) and run this command again to continue it")
+
+
 class Sweep:
     """One sweep in the launching process: the tracking server (SQLite stores), the parent run
-    (found again by the sweep's key when resuming), and at the end the summary."""
+    (found again by the sweep's key when resuming; held by this process while it runs: its owner
+    and heartbeat tags), and at the end the summary."""
 
     def __init__(self, settings, config: DictConfig):
         self.settings = settings
         self.began = time.time()
         self.server = None
+        self.heartbeat: Heartbeat | None = None
         self.host = "127.0.0.1"  # where the sweep's own server listens
         self.server_warm = None  # whether the sweep's server was the warm stack's; None: it had none
         uri = absolute_uri(settings.tracking_uri)
@@ -137,6 +166,7 @@ class Sweep:
         try:
             self._open_parent(uri, config)
         except BaseException:
+            self.stop_heartbeat()
             self.stop_server()
             raise
 
@@ -150,8 +180,11 @@ class Sweep:
         key = plan.sweep_key(config)
         earlier = self.client.search_runs([self.experiment_id], f"tags.`{SWEEP_KEY}` = '{key}'",
                                           order_by=["attributes.start_time DESC"], max_results=1) if s.resume else []
+        self.attempt = 1
         if earlier:
+            refuse_if_running(earlier[0], s.experiment)
             self.run_id = earlier[0].info.run_id
+            self.attempt = int(earlier[0].data.tags.get(ATTEMPT_KEY, "1")) + 1
             self.client.update_run(self.run_id, status="RUNNING")
         else:
             from mlflow.tracking.context.registry import resolve_tags  # MLflow's own: user, source, git commit
@@ -163,7 +196,13 @@ class Sweep:
             for k, v in list(definition["params"].items())[:100]:
                 self.client.log_param(self.run_id, f"sweep.{k}", str(v)[:6000])
             self.client.log_text(self.run_id, json.dumps(definition, indent=2, default=str), "sweep.json")
+        before = Owner.parse(earlier[0].data.tags.get(OWNER_KEY)) if earlier else None
+        self.client.set_tag(self.run_id, OWNER_KEY, Owner.this_process().tag())
+        self.client.set_tag(self.run_id, ATTEMPT_KEY, str(self.attempt))
+        self.heartbeat = Heartbeat(lambda: self.client.set_tag(self.run_id, BEAT_KEY, f"{time.time():.0f}"))
         children = self.children()
+        if self.close_left_running(children, before):
+            children = self.children()  # as the store has them now
         self.earlier_runs = {c.info.run_id for c in children}
         self.finished = {c.data.tags[TRIAL_KEY]: c.info.run_id
                          for c in sorted(children, key=lambda c: c.info.start_time)
@@ -179,7 +218,22 @@ class Sweep:
 
     def parent(self) -> ParentRun:
         return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
-                        command=self.fixed, finished=dict(self.finished))
+                         command=self.fixed, finished=dict(self.finished), attempt=self.attempt)
+
+    def close_left_running(self, children: list, before: Owner | None) -> int:
+        """The trials' runs an earlier attempt left RUNNING (its process killed with theirs: SIGKILL, a
+        lost host; no other command runs the sweep now) closed KILLED, saying so, before this attempt
+        opens any: its own trials are new runs (a study's trial that was running is run again).
+        Returns how many it closed."""
+        left = [child for child in children if child.info.status == "RUNNING"]
+        for child in left:
+            by = f" ({before})" if before is not None else ""
+            self.client.set_tag(child.info.run_id, "error",
+                                f"its sweep's attempt {child.data.tags.get(ATTEMPT_KEY, '?')}{by} ended before the "
+                                f"trial did (killed); closed by attempt {self.attempt}")
+            with self.quiet():
+                self.client.set_terminated(child.info.run_id, "KILLED")
+        return len(left)
 
     def lost(self, index: int, error: BaseException) -> None:
         """The trial of job `index` ended with its process (its worker or its host lost) before it
@@ -245,6 +299,7 @@ class Sweep:
     def close(self) -> None:
         """Summary table and loss-curve chart on the parent, the parent closed, the server stopped,
         and the summary printed: the last thing a sweep prints."""
+        self.stop_heartbeat()
         if self.server is not None and not self.server.answers():
             # Ctrl-C reaches every process of the terminal's group, the sweep's own server too: a
             # new one in front of the same store and artifacts takes the summary.
@@ -371,6 +426,11 @@ class Sweep:
             yield
         finally:
             set_env(before)
+
+    def stop_heartbeat(self) -> None:
+        heartbeat, self.heartbeat = self.heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
 
     def stop_server(self) -> None:
         server, self.server = self.server, None

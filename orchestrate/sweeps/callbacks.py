@@ -28,7 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate.errors import Escaped, Failed
+from orchestrate.errors import Escaped, Failed, Refused
 from orchestrate.schema import objectives
 from orchestrate.thirdparty import job_error
 from orchestrate.tracking.handover import ParentRun
@@ -78,6 +78,8 @@ class SweepTracking(Callback):
 
         try:
             self._sweep = _runs.Sweep(self, config)
+        except Refused as e:  # the same sweep run by another command now: one line, nothing opened
+            raise Escaped(e) from e
         except Exception as e:
             # Hydra would only warn and run every trial untracked, each a top-level run: stop here.
             failed = Failed(f"the sweep's MLflow tracking could not start: {type(e).__name__}: {e}")

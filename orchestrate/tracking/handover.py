@@ -27,6 +27,7 @@ class ParentRun:
     run_id: str
     command: list[str]  # the command line's overrides (_runs.fixed_overrides): a trial is named by the others
     finished: dict[str, str] = field(default_factory=dict)  # resuming: trial name -> its FINISHED child run
+    attempt: int = 1  # which command on this sweep (1 the first; each one that continues it one more)
 
 
 def interrupted(cause: str) -> str:

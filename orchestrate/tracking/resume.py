@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from orchestrate.schema import ConfigError
+from orchestrate.tracking.owner import alive
 from orchestrate.tracking.params import config_key, flatten, training_keys
 from orchestrate.tracking.stores import absolute_uri
 
@@ -138,23 +139,13 @@ def close_orphans(cfg: DictConfig, run_id: str) -> list[str]:
         tags = run.data.tags
         if run.info.run_id == run_id or tags.get("host") != platform.node() or not tags.get("pid", "").isdigit():
             continue
-        if _alive(int(tags["pid"])):
+        if alive(int(tags["pid"])):
             continue
         client.set_tag(run.info.run_id, "error", f"its process (pid {tags['pid']}) ended without closing the run; "
                                                  f"trainer.resume=auto went on in run {run_id}")
         client.set_terminated(run.info.run_id, "KILLED")
         ended.append(run.info.run_id)
     return ended
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _latest_checkpoint(client, run, uri: str) -> ResumePoint | None:

@@ -1,0 +1,136 @@
+"""A sweep's parent run held by the command that runs it (orchestrate.sweeps._runs): a second command
+on the same sweep is refused while the first lives, and a command that continues a sweep whose
+earlier attempts were killed (SIGKILL of the whole process group, at any moment) closes the runs
+they left RUNNING before it opens its own, then runs the study to its end: every trial once, no
+run RUNNING."""
+
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrate.sweeps import _runs
+from orchestrate.tracking.owner import STALE_S, Owner
+from tests.conftest import ROOT, sweep_runs
+from tests.sweeps.test_optuna_sweeper import study_of
+from tests.sweeps.test_sweeps import QUICK
+
+
+def parent(status: str = "RUNNING", owner: Owner | None = None, beat: float | None = None):
+    """A parent run as MlflowClient returns it (the fields refuse_if_running reads)."""
+    tags = {_runs.ATTEMPT_KEY: "2"}
+    if owner is not None:
+        tags[_runs.OWNER_KEY] = owner.tag()
+    if beat is not None:
+        tags[_runs.BEAT_KEY] = f"{beat:.0f}"
+    return SimpleNamespace(info=SimpleNamespace(status=status, run_id="abc"), data=SimpleNamespace(tags=tags))
+
+
+def test_a_sweep_whose_command_still_runs_is_refused_naming_it():
+    me = Owner.this_process()
+    with pytest.raises(_runs.SweepRunning, match=rf"this sweep is running already: attempt 2, pid {os.getpid()} on "):
+        _runs.refuse_if_running(parent(owner=me), "orchestrate")
+    elsewhere, now = Owner("another-host", 4242, time.time() - 100), time.time()
+    with pytest.raises(_runs.SweepRunning, match=r"its last heartbeat \d+ s ago.*kill 4242 on another-host"):
+        _runs.refuse_if_running(parent(owner=elsewhere, beat=now - 5), "orchestrate")
+
+
+def test_a_sweep_whose_command_is_gone_goes_on():
+    me = Owner.this_process()
+    _runs.refuse_if_running(parent(status="FINISHED", owner=me), "orchestrate")  # ended: nothing holds it
+    _runs.refuse_if_running(parent(owner=None), "orchestrate")  # opened by a version that kept no owner
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = Owner(platform.node(), int(gone.stdout), me.started)
+    _runs.refuse_if_running(parent(owner=dead), "orchestrate")  # its process ended (killed)
+    reused = Owner(platform.node(), os.getpid(), me.started - 3600)  # the pid, now another process's
+    _runs.refuse_if_running(parent(owner=reused), "orchestrate")
+    silent = Owner("another-host", 4242, time.time() - 1000)
+    _runs.refuse_if_running(parent(owner=silent, beat=time.time() - STALE_S - 1), "orchestrate")
+    _runs.refuse_if_running(parent(owner=silent), "orchestrate")  # no heartbeat at all
+
+
+# A pruned Optuna sweep on Ray, its trials long enough (a few seconds each) for a kill to land
+# before the first trial, inside one and between two.
+KILLED_SWEEP = ["+sweep=lr_optuna", "backend=torch", *QUICK, "trainer.max_steps=400", "trainer.evaluation_period=50",
+                "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.n_trials=6", "hydra.launcher.num_cpus=2",
+                "trainer.progress=false"]
+
+
+def start(cwd) -> subprocess.Popen:
+    """The command in a process group of its own (as a terminal's job is), killed whole below."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "orchestrate", *KILLED_SWEEP], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def trials_started(cwd) -> int:
+    return len(list(cwd.glob("multirun/*/*/*/app.log")))
+
+
+def wait_until(proc: subprocess.Popen, what: str, test, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not test():
+        assert proc.poll() is None, f"ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_running(tmp_path):
+    """The case the issue measured: the driver's whole process group killed with SIGKILL three times
+    (before its first trial, inside one, later), then the same command to the end. A second command
+    while one runs is refused in one line naming it. Afterwards: exit 0, every trial of the study in
+    the summary once, no run RUNNING, every run a killed attempt left closed KILLED saying so."""
+    rng = random.Random(55)
+    first = start(tmp_path)  # killed before any trial: while it checks, starts Ray, opens the parent
+    time.sleep(rng.uniform(1.0, 3.0))
+    assert first.poll() is None
+    kill_group(first)
+    second = start(tmp_path)  # killed inside its first trials
+    wait_until(second, "a trial started", lambda: trials_started(tmp_path) >= 1)
+    time.sleep(rng.uniform(0.5, 2.0))
+    kill_group(second)
+    started = trials_started(tmp_path)
+    third = start(tmp_path)  # killed later, after a second command was refused beside it
+    wait_until(third, "two more trials started", lambda: trials_started(tmp_path) >= started + 2)
+    began = time.monotonic()
+    beside = subprocess.run([sys.executable, "-m", "orchestrate", *KILLED_SWEEP], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert beside.returncode == 2, beside.stdout[-2000:] + beside.stderr[-2000:]
+    assert re.search(rf"^error: this sweep is running already: attempt 3, pid {third.pid} on ", beside.stderr, re.M), \
+        beside.stderr[-2000:]
+    assert time.monotonic() - began < 60
+    time.sleep(rng.uniform(0.0, 2.0))
+    kill_group(third)
+
+    last = subprocess.run([sys.executable, "-m", "orchestrate", *KILLED_SWEEP], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    client, parents, children = sweep_runs(tmp_path)
+    (sweep,) = parents
+    assert sweep.info.status == "FINISHED" and sweep.data.tags[_runs.ATTEMPT_KEY] == "4"
+    runs = client.search_runs([sweep.info.experiment_id], max_results=1000)
+    assert [r.info.run_id for r in runs if r.info.status == "RUNNING"] == []
+    left = [c for c in children if c.data.tags.get(_runs.ATTEMPT_KEY) in ("1", "2", "3") and c.info.status == "KILLED"]
+    assert left and all(re.match(r"its sweep's attempt [123] \(pid \d+ on .*\) ended before the trial did \(killed\); "
+                                 r"closed by attempt [234]$", c.data.tags["error"]) for c in left)
+    study = study_of(tmp_path)
+    finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == 6 and not [t for t in study.trials if t.state.name == "RUNNING"]
+    assert len({tuple(sorted(t.params.items())) for t in finished}) == 6  # no point finished twice
+    # The summary: the study's trials once each (those this attempt ran and those it found done).
+    rows = [line.split(" | ") for line in last.stdout.splitlines() if re.match(r"\| \d+ \| ", line)]
+    assert len(rows) == 6 and all(row[2].startswith(("FINISHED", "PRUNED", "SKIPPED")) for row in rows), \
+        last.stdout[-3000:]
