@@ -132,6 +132,7 @@ def check_sweeper(cfg) -> None:
                            OmegaConf.select(cfg, "hydra.sweeper.n_jobs"),
                            str(OmegaConf.select(cfg, "hydra.launcher._target_", default="")),
                            pruner=OmegaConf.select(cfg, "hydra.sweeper.pruner._target_", default=None))
+    _optuna.check_storage(OmegaConf.select(cfg, "hydra.sweeper.storage"), cfg.tracking.uri)
 
 
 def is_hydra(word: str) -> bool:

@@ -41,6 +41,12 @@ CASES = [
     (["-m", "optimizer.lr=range(0)"], "optimizer.lr=range(0): the sweep has no trials"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "optimizer.lr=interval(...): Hydra's basic sweeper runs a grid"),
     (["+sweep=lr_optuna", "hydra.sweeper.n_trials=-1"], "hydra.sweeper.n_trials=-1: must be at least 1"),
+    # a study whose storage is gone, or is not a study's
+    (["+sweep=lr_optuna", "hydra.sweeper.storage=sqlite:////no/such/folder/study.db"],
+     "hydra.sweeper.storage=sqlite:////no/such/folder/study.db: the study's folder /no/such/folder does not exist"),
+    (["+sweep=lr_optuna", "hydra.sweeper.storage=sqlite:////etc/hostname"],
+     "hydra.sweeper.storage=sqlite:////etc/hostname: the study's file /etc/hostname cannot be read as a SQLite "
+     "database (file is not a database)"),
     (["sweep=lr_grid"], "sweep=lr_grid: a sweep runs with -m or +sweep=lr_grid"),
     (["-m", "hydra.launcher.address=127.0.0.1:9", "optimizer.lr=0.1,0.2"],
      "hydra.launcher.address=127.0.0.1:9: nothing answers at 127.0.0.1:9"),

@@ -135,6 +135,36 @@ def default_storage(tracking_uri: str) -> str:
     return f"sqlite:///{Path('optuna.db').resolve()}"
 
 
+def check_storage(storage: str | None, tracking_uri: str) -> None:
+    """The study's storage (`storage`, or beside the MLflow store when None), checked before the
+    sweep opens anything: a SQLite file's folder exists and the file, if there, is a database this
+    user can read; a PostgreSQL server answers (its database created if missing). ConfigError."""
+    from orchestrate.cluster.mlflow_server import with_driver
+
+    url = with_driver(storage or default_storage(tracking_uri))
+    given = f"hydra.sweeper.storage={redact_text(storage) if storage else 'null (beside tracking.uri)'}"
+    if url.startswith("postgresql"):
+        create_database(url)
+        return
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    if not path.parent.is_dir():
+        raise ConfigError(f"{given}: the study's folder {path.parent} does not exist; allowed: a SQLite file in a "
+                          "folder that exists (sqlite:////PATH/study.db, made on first use) or a database URL "
+                          "(postgresql://USER:PASSWORD@HOST:PORT/DB)")
+    if not path.exists():
+        return
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+            db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as e:
+        raise ConfigError(f"{given}: the study's file {path} cannot be read as a SQLite database ({e}); move it "
+                          "away to start the study afresh, or set hydra.sweeper.storage to another file") from None
+
+
 def create_database(storage: str) -> None:
     """A PostgreSQL storage's database, created if it is not there yet (Optuna creates tables, not databases)."""
     if not storage.startswith("postgresql"):
