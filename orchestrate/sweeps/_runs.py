@@ -137,6 +137,7 @@ class Sweep:
         self.began = time.time()
         self.server = None
         self.heartbeat: Heartbeat | None = None
+        self.restarted = False  # the server was started again by the heartbeat's thread (keep_server)
         self.host = "127.0.0.1"  # where the sweep's own server listens
         self.server_warm = None  # whether the sweep's server was the warm stack's; None: it had none
         uri = absolute_uri(settings.tracking_uri)
@@ -199,7 +200,7 @@ class Sweep:
         before = Owner.parse(earlier[0].data.tags.get(OWNER_KEY)) if earlier else None
         self.client.set_tag(self.run_id, OWNER_KEY, Owner.this_process().tag())
         self.client.set_tag(self.run_id, ATTEMPT_KEY, str(self.attempt))
-        self.heartbeat = Heartbeat(lambda: self.client.set_tag(self.run_id, BEAT_KEY, f"{time.time():.0f}"))
+        self.heartbeat = Heartbeat(self.beat)
         children = self.children()
         if self.close_left_running(children, before):
             children = self.children()  # as the store has them now
@@ -215,6 +216,34 @@ class Sweep:
         # Whether the sweep prunes (its summary then says how many trials were, none included).
         pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner")
         self.pruner = OmegaConf.select(config, "hydra.sweeper._target_") == pruning.SWEEPER and pruner not in (None, "none")
+
+    def beat(self) -> None:
+        """Every HEARTBEAT_S while the sweep runs: its server kept (`keep_server`), then the parent's heartbeat."""
+        self.keep_server()
+        self.client.set_tag(self.run_id, BEAT_KEY, f"{time.time():.0f}")
+
+    def keep_server(self) -> None:
+        """The sweep's MLflow server (its own, or the warm stack's), found gone (killed, crashed), started
+        again on the same port: the running trials hold its address, and their runs' outboxes keep what
+        they log meanwhile and send it then. Not when its process still runs (busy, not gone), or when
+        something else answers on the port now."""
+        from urllib.parse import urlsplit
+
+        from orchestrate.cluster.ports import answers
+
+        server = self.server
+        if server is None or server.answers() or (not server.warm and server.proc.poll() is None):
+            return
+        port = urlsplit(server.uri).port
+        if answers(self.host, port, 1.0):
+            return
+        how = "the warm stack's" if server.warm else f"its process ended with {server.proc.returncode}"
+        log.warning(f"the sweep's MLflow server {server.uri} is gone ({how}): started again on the same port")
+        server.stop()
+        self.server = _server.TrackingServer(absolute_uri(self.settings.tracking_uri), server.artifacts,
+                                             host=self.host, port=port)
+        # Linux stops it when this thread ends (the heartbeat's: _die_with_parent): `close` starts another.
+        self.restarted = True
 
     def parent(self) -> ParentRun:
         return ParentRun(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id,
@@ -300,7 +329,7 @@ class Sweep:
         """Summary table and loss-curve chart on the parent, the parent closed, the server stopped,
         and the summary printed: the last thing a sweep prints."""
         self.stop_heartbeat()
-        if self.server is not None and not self.server.answers():
+        if self.server is not None and (self.restarted or not self.server.answers()):
             # Ctrl-C reaches every process of the terminal's group, the sweep's own server too: a
             # new one in front of the same store and artifacts takes the summary.
             self.server.stop()

@@ -64,10 +64,11 @@ class TrackingServer(MlflowServer):
 
     warm = False
 
-    def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True, host: str = "127.0.0.1"):
+    def __init__(self, sqlite_uri: str, artifact_root: Path, wait: bool = True, host: str = "127.0.0.1",
+                 port: int | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-server-", suffix=".log", delete=False)
         self.failed = False
-        super().__init__(sqlite_uri, artifact_root, host=host, log=self.log, wait=False, detached=True)
+        super().__init__(sqlite_uri, artifact_root, host=host, port=port, log=self.log, wait=False, detached=True)
         if wait:
             self.wait_healthy()
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-HEARTBEAT_S = 15.0  # how often a holder says it still holds the run
+HEARTBEAT_S = 5.0  # how often a holder says it still holds the run (a sweep: and checks its server)
 STALE_S = 60.0  # a holder on another host silent this long is gone
 
 

@@ -134,3 +134,31 @@ def test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_run
     rows = [line.split(" | ") for line in last.stdout.splitlines() if re.match(r"\| \d+ \| ", line)]
     assert len(rows) == 6 and all(row[2].startswith(("FINISHED", "PRUNED", "SKIPPED")) for row in rows), \
         last.stdout[-3000:]
+
+
+def test_the_sweeps_server_killed_is_started_again_on_its_port(tmp_path):
+    """A trial holds the server's address: the heartbeat finds it gone (kill -9) and starts another
+    in front of the same store on the same port, where the runs logged before are."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrate.sweeps import _server
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    sweep = _runs.Sweep.__new__(_runs.Sweep)  # what keep_server reads of a running sweep
+    sweep.settings, sweep.host, sweep.restarted = SimpleNamespace(tracking_uri=store), "127.0.0.1", False
+    _server.prepare_store(store, "orchestrate")
+    sweep.server = _server.TrackingServer(store, tmp_path / "artifacts")
+    try:
+        client = MlflowClient(tracking_uri=sweep.server.uri)
+        run = client.create_run(client.get_experiment_by_name("orchestrate").experiment_id)
+        sweep.keep_server()  # it answers: nothing to do
+        assert not sweep.restarted
+        before = sweep.server
+        os.killpg(before.proc.pid, signal.SIGKILL)  # `mlflow server` and its uvicorn (a session of their own)
+        before.proc.wait(timeout=30)
+        time.sleep(0.5)  # the kernel closes the port's socket
+        sweep.keep_server()
+        assert sweep.restarted and sweep.server is not before and sweep.server.uri == before.uri
+        assert client.get_run(run.info.run_id).info.status == "RUNNING"  # the same store, through the same address
+    finally:
+        sweep.server.stop()
