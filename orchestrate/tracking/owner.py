@@ -60,7 +60,8 @@ def alive(pid: int, started: float | None = None) -> bool:
     import psutil
 
     try:
-        return started is None or abs(psutil.Process(pid).create_time() - started) < 1.0
+        process = psutil.Process(pid)
+        return started is None or abs(process.create_time() - started) < 1.0
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:

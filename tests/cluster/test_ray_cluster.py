@@ -165,6 +165,7 @@ def test_leave_lets_go_only_of_the_ray_init_started_or_joined(monkeypatch, joine
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setattr(ray_cluster, "_JOINED", joined)
     monkeypatch.setattr(ray_cluster, "_WARM", "127.0.0.1:6379" if joined else None)
+    monkeypatch.setattr(ray_cluster, "_LOCAL_SESSION", ray_cluster._LOCAL_SESSION)  # the session's Ray's, given back
     ray_cluster.leave()
     ray_cluster.leave()
     assert fake.shutdowns == (1 if joined else 0)
