@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import metric_steps
+from tests.conftest import long, metric_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 
@@ -155,6 +155,8 @@ def test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_whe
     assert f"runner-{run.info.run_id}" in listing.stdout and "/checkpoint" in listing.stdout
 
 
+@long("tests/backends/test_runner_hosts.py::test_an_elastic_runner_on_other_hosts_shrinks_when_one_is_lost_and_grows_"
+      "when_it_is_back (its run goes on from the bucket's checkpoint on the same hosts)")
 def test_the_ortmodule_engine_goes_on_from_the_bucket_after_the_drivers_command_is_killed(hosts, s3_on_hosts,
                                                                                           project):
     """ORTModule's engine on the two other hosts, checkpoints on S3. The driver's command killed

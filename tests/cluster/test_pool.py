@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrate.cluster import pool, pool_process, warm
-from tests.conftest import BACKENDS, backend_params, client_for, here, metric_steps
+from tests.conftest import BACKENDS, backend_params, client_for, here, long, metric_steps
 
 QUICK = ["data=synthetic", "trainer=quick", "trainer.progress=false"]
 FORK_LINE = "in a fork of the warm pool"
@@ -106,7 +106,12 @@ def test_a_fork_imports_the_users_modules_from_its_folder_and_another_pythonpath
 
 
 # Every backend but auto, whose choice among them depends on timing (what it chooses is one of these).
-REUSED = backend_params([b for b in BACKENDS if b != "auto"])
+# CI runs torch and ondevice (a fork's losses do not depend on the backend that trains in it); the
+# others, slower to start in a fork (the runner's Ray workers, compile's Inductor, ORTModule's
+# export), are the long tier's.
+FORK_IN_CI = "tests/cluster/test_pool.py::test_a_reused_worker_gives_the_losses_of_a_fresh_process[torch]"
+REUSED = [p if p.values[0] in ("torch", "ondevice") else pytest.param(*p.values, marks=[*p.marks, long(FORK_IN_CI)])
+          for p in backend_params([b for b in BACKENDS if b != "auto"])]
 
 
 @pytest.mark.slow

@@ -171,6 +171,8 @@ def test_the_runners_workers_stop_together_where_the_pruner_says(tmp_path):
 
 
 @pytest.mark.slow
+@long("tests/sweeps/test_runs.py::test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_running "
+      "(a Ctrl-C among its kills, the same command after it)")
 def test_ctrl_c_ends_the_sweep_with_its_summary_and_the_same_command_goes_on(tmp_path):
     """Ctrl-C reaches every process of the terminal's group: the sweep (its server and Ray trials
     included) ends within seconds, exit 130, and the summary says which trials were stopped

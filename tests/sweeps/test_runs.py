@@ -73,7 +73,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 def start(cwd, words: list[str]) -> subprocess.Popen:
     """The command in a process group of its own (as a terminal's job is), killed whole below."""
     return subprocess.Popen([sys.executable, "-m", "orchestrate", *words], cwd=cwd, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # Ctrl-C as a terminal's
 
 
 def wait_until(proc: subprocess.Popen, what: str, test, timeout: float = 180) -> None:
@@ -96,9 +97,11 @@ def held(marker) -> bool:
 @pytest.mark.slow
 def test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_running(tmp_path):
     """The case the issue measured: the driver's whole process group killed with SIGKILL three times
-    (while it starts, inside its trials, and after a second command beside it was refused in one
-    line naming it), then the same command to the end. Afterwards: exit 0, every trial of the study
-    in the summary once, no run RUNNING, every run a killed attempt left closed KILLED saying so."""
+    (while it starts, inside its trials, and after a Ctrl-C), then the same command to the end. A
+    Ctrl-C between them ends its command within seconds, with its summary last and its running
+    trials KILLED; a second command beside the running one is refused in one line naming it.
+    Afterwards: exit 0, every trial of the study in the summary once, no run RUNNING, every run a
+    killed attempt left closed KILLED by the next, saying so."""
     marker = tmp_path / "hold"
     marker.touch()
     words = killed_sweep(marker)
@@ -106,19 +109,26 @@ def test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_run
     time.sleep(random.Random(55).uniform(1.0, 3.0))
     assert first.poll() is None
     kill_group(first)
-    for attempt in (2, 3):  # each killed with its trials held (RUNNING)
+    for how in ("SIGKILL", "Ctrl-C", "SIGKILL"):  # each with its trials held (RUNNING)
         marker.with_name("hold.held").unlink(missing_ok=True)
         proc = start(tmp_path, words)
         wait_until(proc, "a trial held", lambda: held(marker))
-        if attempt == 3:
-            began = time.monotonic()
-            beside = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=ENV,
-                                    capture_output=True, text=True, timeout=120)
-            assert beside.returncode == 2 and time.monotonic() - began < 60, beside.stdout[-2000:] + beside.stderr
-            line = re.search(rf"^error: this sweep is running already: attempt \d, pid {proc.pid} on .*$", beside.stderr,
-                             re.M)
-            assert line and "Traceback" not in beside.stderr + beside.stdout, beside.stderr[-2000:]
-        kill_group(proc)
+        if how == "SIGKILL":
+            kill_group(proc)
+            continue
+        began = time.monotonic()
+        beside = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=ENV,
+                                capture_output=True, text=True, timeout=120)
+        assert beside.returncode == 2 and time.monotonic() - began < 60, beside.stdout[-2000:] + beside.stderr
+        line = re.search(rf"^error: this sweep is running already: attempt \d, pid {proc.pid} on .*$", beside.stderr,
+                         re.M)
+        assert line and "Traceback" not in beside.stderr + beside.stdout, beside.stderr[-2000:]
+        time.sleep(1)  # both slots' trials held
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        stopped = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and time.monotonic() - stopped < 60, out[-3000:]
+        assert "stopped by Ctrl-C" in out and out.rstrip().splitlines()[-1].startswith("then open"), out[-3000:]
     marker.unlink()
 
     last = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=ENV, capture_output=True,
@@ -126,14 +136,15 @@ def test_three_kills_then_the_same_command_leave_every_trial_once_and_no_run_run
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
     client, parents, children = sweep_runs(tmp_path)
     (sweep,) = parents
-    # 3 or 4: the first command may be killed before it opened the parent run
-    assert sweep.info.status == "FINISHED" and sweep.data.tags[_runs.ATTEMPT_KEY] in ("3", "4")
+    # 4 or 5: the first command may be killed before it opened the parent run
+    assert sweep.info.status == "FINISHED" and sweep.data.tags[_runs.ATTEMPT_KEY] in ("4", "5")
     runs = client.search_runs([sweep.info.experiment_id], max_results=1000)
     assert [r.info.run_id for r in runs if r.info.status == "RUNNING"] == []
-    left = [c for c in children if c.info.status == "KILLED"]
-    assert len(left) >= 2 and all(re.fullmatch(r"its sweep's attempt [123] \(pid \d+ on .*\) ended before the trial "
-                                               r"did \(killed\); closed by attempt [234]", c.data.tags["error"])
-                                  for c in left), [c.data.tags.get("error") for c in left]
+    killed = [c.data.tags["error"] for c in children if c.info.status == "KILLED"]
+    left = [e for e in killed if re.fullmatch(r"its sweep's attempt [1-4] \(pid \d+ on .*\) ended before the trial "
+                                              r"did \(killed\); closed by attempt [2-5]", e)]
+    by_ctrl_c = [e for e in killed if e.startswith("interrupted") or e == "stopped before it finished"]  # in the Ctrl-C
+    assert len(left) >= 2 and by_ctrl_c and len(left) + len(by_ctrl_c) == len(killed), killed
     study = study_of(tmp_path)
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == 6 and not [t for t in study.trials if t.state.name == "RUNNING"]

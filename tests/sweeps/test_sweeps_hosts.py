@@ -16,7 +16,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import metric_steps
+from tests.conftest import long, metric_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 
@@ -85,6 +85,8 @@ def test_a_pruned_optuna_sweep_on_other_hosts_reports_everything_to_the_driver(h
         assert common and all(abs(there[s] - alone[s]) < 1e-5 for s in common), (name, there, alone)
 
 
+@long("tests/sweeps/test_sweeps_hosts.py::test_a_pruned_optuna_sweep_on_other_hosts_reports_everything_to_the_driver"
+      " (the same way back from the hosts); tests/sweeps/test_pareto.py for the front")
 def test_a_two_objective_sweep_on_other_hosts_prunes_and_keeps_its_front_on_the_driver(hosts, project):
     """The dominated pruner's records (each evaluation's objectives, as trial attributes) reach the
     driver's study through the served gRPC proxy, and the front lands on the driver's parent run."""
