@@ -65,9 +65,11 @@ class Chaos:
     env: dict
     kills: list[Kill] = field(default_factory=list)
     attempt_starts: list[float] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # how each command ended: its exit code and error line
 
     def start(self) -> subprocess.Popen:
         self.attempt_starts.append(time.time())
+        self.ended.append("killed")
         log = open(self.folder / f"attempt-{len(self.attempt_starts)}.log", "w")
         return subprocess.Popen(self.argv, cwd=self.folder, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -127,6 +129,7 @@ def run(trials: int, kills: int, seed: int, folder: Path, address: str, env: dic
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         if proc.poll() is not None:  # it ended before the kill (done, or failed): the same command again
+            chaos.ended[-1] = outcome(chaos, proc.returncode)
             proc = chaos.start()
             continue
         kind = rng.choice(KINDS)
@@ -140,10 +143,18 @@ def run(trials: int, kills: int, seed: int, folder: Path, address: str, env: dic
         if kind == "driver":
             proc = chaos.start()
     # The last attempt: the command runs to its end (the one running now, and again if it ended early).
-    proc.wait(timeout=3600)
+    chaos.ended[-1] = outcome(chaos, proc.wait(timeout=3600))
     last = chaos.start()
     code = last.wait(timeout=3600)
+    chaos.ended[-1] = outcome(chaos, code)
     return read_back(chaos, trials, code)
+
+
+def outcome(chaos: Chaos, code: int) -> str:
+    """How the latest command ended: its exit code, and its `error:` line if it printed one."""
+    log = (chaos.folder / f"attempt-{len(chaos.attempt_starts)}.log").read_text()
+    said = [line for line in log.splitlines() if line.startswith("error: ")]
+    return f"exit {code}" + (f": {said[-1][:300]}" if said else "")
 
 
 def read_back(chaos: Chaos, trials: int, code: int) -> dict:
@@ -160,7 +171,13 @@ def read_back(chaos: Chaos, trials: int, code: int) -> dict:
         hit = [r for r in children if r.info.start_time <= at_ms and (r.info.end_time or 1e20) >= at_ms
                and r.info.status != "FINISHED"]
         kill.lost_steps = sum(steps[r.info.run_id] for r in hit)
-        kill.survived = kill.kind != "driver"
+        # Survived: its command went on (ended later by another kill, or to its end with exit 0). A
+        # command that ended with an error after this kill and before another ended by it.
+        later = [k for k in chaos.kills if k.attempt == kill.attempt and k.at > kill.at]
+        ended = chaos.ended[kill.attempt - 1]
+        kill.survived = kill.kind != "driver" and (bool(later) or not ended.startswith("exit") or ended == "exit 0")
+        if kill.kind != "driver" and not kill.survived:
+            kill.note += f"; its command ended: {ended}"
         if kill.kind == "driver":
             nxt = kill.attempt + 1
             first = [r.info.start_time / 1000 for r in children if r.data.tags.get("orchestrate.sweep.attempt") == str(nxt)]
@@ -169,6 +186,9 @@ def read_back(chaos: Chaos, trials: int, code: int) -> dict:
     (summary,) = optuna.get_all_study_summaries(f"sqlite:///{chaos.folder}/mlflow-optuna.db")
     study = optuna.load_study(study_name=summary.study_name, storage=f"sqlite:///{chaos.folder}/mlflow-optuna.db")
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    # The study's trials, each a point: a killed attempt's running trial is failed and run again with the
+    # same point (one trial of the summary); a proposal that repeated a finished point is not one.
+    points = {tuple(sorted(t.params.items())) for t in study.trials if "duplicate_of" not in t.user_attrs}
     finished_runs = {tuple(sorted((k, str(v)) for k, v in r.data.params.items() if k in ("optimizer.lr", "trainer.batch_size")))
                      for r in children if r.info.status == "FINISHED"}
     log = (chaos.folder / f"attempt-{len(chaos.attempt_starts)}.log").read_text()
@@ -180,6 +200,8 @@ def read_back(chaos: Chaos, trials: int, code: int) -> dict:
         "kills": chaos.kills,
         "runs_running": sum(r.info.status == "RUNNING" for r in runs),
         "summary_rows": len(rows),
+        "study_points": len(points),
+        "ended": chaos.ended,
         "study_finished": len(finished),
         "study_running": sum(t.state.name == "RUNNING" for t in study.trials),
         "points_twice": len(finished) - len({tuple(sorted(t.params.items())) for t in finished}),
@@ -195,11 +217,11 @@ def table(result: dict) -> str:
              "|---:|---|---:|---|---:|---:|---|"]
     for i, k in enumerate(result["kills"], 1):
         restart = f"{k.restart_to_first_trial_s:.1f}" if k.restart_to_first_trial_s is not None else "-"
-        lines.append(f"| {i} | {k.kind} | {k.attempt} | {'yes' if k.survived else 'no: the next command went on'} | "
+        lines.append(f"| {i} | {k.kind} | {k.attempt} | {'yes' if k.survived else 'no: the next command goes on'} | "
                      f"{k.lost_steps} | {restart} | {k.note} |")
     checks = [("the last command's exit code", result["exit_code"], 0),
               ("runs left RUNNING", result["runs_running"], 0),
-              ("trials in the last summary", result["summary_rows"], result["trials"]),
+              ("trials in the last summary (each point of the study once)", result["summary_rows"], result["study_points"]),
               ("study trials finished (COMPLETE or PRUNED)", result["study_finished"], result["trials"]),
               ("study trials left RUNNING", result["study_running"], 0),
               ("points finished twice", result["points_twice"], 0),
@@ -207,7 +229,8 @@ def table(result: dict) -> str:
     lines += ["", "| check | found | expected |", "|---|---:|---:|"]
     lines += [f"| {what} | {found} | {expected} |" for what, found, expected in checks]
     lines.append(f"\n{result['attempts']} commands in all; {result['closed_by_next_attempt']} run(s) a killed "
-                 "attempt left RUNNING, closed KILLED by the next.")
+                 "attempt left RUNNING, closed KILLED by the next. How each command ended:\n")
+    lines += [f"{i}. {how}" for i, how in enumerate(result["ended"], 1)]
     return "\n".join(lines)
 
 
@@ -217,12 +240,15 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
+    parser.add_argument("--keep", type=Path, help="a folder to run in and keep (the commands' logs, the stores)")
     args = parser.parse_args()
     from tests.helpers import loopback_cluster
 
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp, loopback_cluster(nodes=2, cpus_per_node=1) as (address, env):
-        result = run(args.trials, args.kills, args.seed, Path(tmp), address, env)
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        result = run(args.trials, args.kills, args.seed, folder, address, env)
     text = table(result)
     print(text)
     args.out.write_text(

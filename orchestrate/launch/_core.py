@@ -337,8 +337,11 @@ def collect(ref, job: SweepJob) -> tuple[JobReturn, bool, bool]:
         cause = e.cause if e.cause is not None else e
         error, marked, died = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True, False
     except ray.exceptions.RayError as e:  # the worker died (or its node), or the job was cancelled
-        error, marked = TrialError(f"{type(e).__name__}: {str(e).splitlines()[0]}"), False
-        died = not isinstance(e, ray.exceptions.TaskCancelledError)
+        died, marked = not isinstance(e, ray.exceptions.TaskCancelledError), False
+        # Which trial, and what it lost (Ray's own words name neither): its run ends FAILED, and
+        # the same command runs the sweep on (the study's other trials).
+        lost = f"trial #{job.idx} ({job.shown}) lost its process (killed, or its node gone): " if died else ""
+        error = TrialError(f"{lost}{type(e).__name__}: {str(e).splitlines()[0]}")
     return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked, died
 
 

@@ -25,7 +25,7 @@ from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.owner import STALE_S, Heartbeat, Owner
 from orchestrate.tracking.redact import redact_override
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
-from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment
+from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment, wait_for
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -36,18 +36,6 @@ ATTEMPT_KEY = "orchestrate.sweep.attempt"  # on the parent and each trial: the c
 OWNER_KEY = "orchestrate.sweep.owner"  # on the parent: the process running the sweep (orchestrate.tracking.owner)
 BEAT_KEY = "orchestrate.sweep.alive_at"  # on the parent: its heartbeat, seconds since the epoch
 REACH_TIMEOUT_S = 20.0  # the longest a trial waits for the sweep's MLflow server to answer before its run opens
-
-
-def answers(uri: str, timeout_s: float) -> bool:
-    """Whether the MLflow server at `uri` answers /health, asked again until `timeout_s` passed."""
-    from orchestrate.cluster.mlflow_server import health
-
-    deadline = time.monotonic() + timeout_s
-    while not health(uri, min(5.0, timeout_s)):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
 
 
 def trial_name(overrides: list[str], fixed: list[str]) -> str:
@@ -78,7 +66,7 @@ def parent_name(name: str, config: DictConfig) -> str:
 def open_trial(parent: ParentRun, config: DictConfig) -> str:
     """The run a job logs into: a new child of the parent, or (resuming) the trial's FINISHED
     child from an earlier attempt, which the app then skips."""
-    if parent.uri.startswith("http") and not answers(parent.uri, REACH_TIMEOUT_S):
+    if parent.uri.startswith("http") and wait_for(parent.uri, REACH_TIMEOUT_S) is not None:
         import socket  # a trial on a host that cannot reach the server: one line now, not MLflow's retries for minutes
 
         raise RuntimeError(f"the sweep's MLflow server {parent.uri} did not answer on {socket.gethostname()} within "
@@ -97,7 +85,10 @@ def open_trial(parent: ParentRun, config: DictConfig) -> str:
 
 def close_trial(uri: str, run_id: str, failed: BaseException | None) -> None:
     """A job that ended without closing its run (it failed before the app opened its tracker, e.g.
-    a rejected config) leaves it RUNNING: close it as the job ended, with the error in `error`."""
+    a rejected config) leaves it RUNNING: close it as the job ended, with the error in `error`. A
+    server away (restarting) is waited for up to REACH_TIMEOUT_S."""
+    if uri.startswith("http"):
+        wait_for(uri, REACH_TIMEOUT_S)
     client = MlflowClient(tracking_uri=uri)
     if client.get_run(run_id).info.status != "RUNNING":
         return

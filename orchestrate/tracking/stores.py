@@ -136,6 +136,17 @@ def new_sqlite_store(uri: str) -> None:
 DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
+def wait_for(uri: str, timeout_s: float) -> str | None:
+    """`unreachable(uri)` asked again until it is None or `timeout_s` passed (a server restarting: a
+    sweep's, started again on its port once found gone); its last answer."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (why := unreachable(uri, min(5.0, timeout_s))) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return why
+
+
 def unreachable(uri: str, timeout_s: float = 5.0) -> str | None:
     """None when a run could log to the tracking URI `uri`; else one sentence with the URI and the
     cause. Asks only what answers within `timeout_s`: an HTTP server's /health, a database's

@@ -161,7 +161,8 @@ class TestWhatItAdds:
                 os._exit(3)
             (tmp_path / f"job{cfg.a}.done").touch()
 
-        with pytest.raises(TrialError, match=r"^WorkerCrashedError: "):
+        with pytest.raises(TrialError, match=r"^trial #0 \(\+a=0\) lost its process \(killed, or its node gone\): "
+                                             r"WorkerCrashedError: "):
             with sweep_of(hydra_sweep_runner, tmp_path, task, "+a=0,1"):
                 pass
         assert (tmp_path / "job1.done").exists()  # the other job ran to its end
