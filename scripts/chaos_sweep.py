@@ -255,7 +255,8 @@ def main() -> None:
         "# Reliability: sweeps killed anywhere\n\n"
         f"{time.strftime('%Y-%m-%d')}, 2 cores, a 2-node Ray cluster on 127.0.0.1 (one CPU each); "
         f"{time.time() - began:.0f} s in all.\n\n```\npython -m scripts.chaos_sweep --trials {args.trials} "
-        f"--kills {args.kills} --seed {args.seed}\n```\n\n" + __doc__.split("\n\n", 2)[1] + "\n\n" + text + "\n")
+        f"--kills {args.kills} --seed {args.seed}\n```\n\n" + "\n\n".join(__doc__.split("\n\n")[2:5]) + "\n\n"
+        + text + "\n")
 
 
 if __name__ == "__main__":
