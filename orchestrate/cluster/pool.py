@@ -227,8 +227,11 @@ class _Forward:
         return 128 - status  # a signal this process survives (its default is to ignore it)
 
     def orphaned(self) -> int | None:
-        """The pool went away without saying how the fork ended: wait for the fork itself."""
+        """The pool went away without saying how the fork ended: wait for the fork itself (none
+        started: the caller runs the command, and a line says why)."""
         if self.pid is None:
+            print("the warm pool's process ended before it took this command: this command runs in its own process",
+                  file=sys.stderr, flush=True)
             return None
         print(f"the warm pool's process ended while it ran this command; waiting for the run (pid {self.pid}) to "
               "end: its exit code is lost with the pool", file=sys.stderr, flush=True)
