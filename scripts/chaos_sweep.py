@@ -18,7 +18,8 @@ killed attempt left closed KILLED by the next one, saying so; the study's finish
 FINISHED child run with the same parameters; no point finished twice (the sampler's history
 intact). Per kill: whether the command survived it, the work it lost (the steps of the trials
 running at that moment that did not finish), and after a driver kill the seconds from the next
-command's start to its first trial. The table goes to stdout and docs/reliability.md.
+command's start to its first trial. The table goes to stdout and docs/chaos_sweep.md (docs/reliability.md
+links it).
 
 tests/sweeps/test_runs.py runs the issue's case (three driver kills, then the command) in CI's tier;
 tests/test_chaos.py runs this script with fewer trials in the long tier.
@@ -239,7 +240,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "chaos_sweep.md")
     parser.add_argument("--keep", type=Path, help="a folder to run in and keep (the commands' logs, the stores)")
     args = parser.parse_args()
     from tests.helpers import loopback_cluster
@@ -252,7 +253,7 @@ def main() -> None:
     text = table(result)
     print(text)
     args.out.write_text(
-        "# Reliability: sweeps killed anywhere\n\n"
+        "# Sweeps killed anywhere\n\n"
         f"{time.strftime('%Y-%m-%d')}, 2 cores, a 2-node Ray cluster on 127.0.0.1 (one CPU each); "
         f"{time.time() - began:.0f} s in all.\n\n```\npython -m scripts.chaos_sweep --trials {args.trials} "
         f"--kills {args.kills} --seed {args.seed}\n```\n\n" + "\n\n".join(__doc__.split("\n\n")[2:5]) + "\n\n"

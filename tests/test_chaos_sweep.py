@@ -1,5 +1,5 @@
 """Kills of every kind at random moments in a pruned sweep on a 2-node Ray cluster, then the same
-command (scripts/chaos_sweep.py, whose table is docs/reliability.md): fewer trials than the script's
+command (scripts/chaos_sweep.py, whose table is docs/chaos_sweep.md): fewer trials than the script's
 default. Long tier; CI's tier runs the issue's case (three kills of the driver, then the command)."""
 
 import importlib.util
