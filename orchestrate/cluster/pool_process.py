@@ -404,7 +404,7 @@ def become(request: dict, pool_env: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _thread_count(request["env"], pool_env)
-    program = request["program"]  # sys.path as the pool's: its first entry, "", is now the client's folder (IMPORT_PATH)
+    program = request["program"]  # sys.path as the pool's: its first entry, "", is now the client's folder (SERVE)
     if program[0] == "-m":
         sys.argv = [program[1], *request["argv"]]
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)

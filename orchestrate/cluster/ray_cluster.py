@@ -158,8 +158,10 @@ def leave() -> None:
     this: Ray's own exit hook would do the same after sleeping half a second for worker output,
     which a sweep has printed already (orchestrate.launch waits for each trial's last line)."""
     global _JOINED, _WARM, _LOCAL_SESSION
-    joined, _JOINED = _JOINED, False
-    if joined and _initialized():
+    if not _JOINED:
+        return
+    _JOINED = False
+    if _initialized():
         import ray
 
         ray.shutdown()
@@ -318,9 +320,7 @@ class _EarlyStart:
         it starts, or a process that exits meanwhile, can crash in Ray's C++ core)."""
         self.stop.set()
         if self.ready.wait(EARLY_START_TIMEOUT_S) and self.started:
-            import ray
-
-            ray.shutdown()
+            leave()
 
 
 

@@ -107,7 +107,10 @@ def refuse_if_running(run, experiment: str) -> None:
     in the study and run them again beside it."""
     tags = run.data.tags
     owner = Owner.parse(tags.get(OWNER_KEY))
-    beat = float(tags[BEAT_KEY]) if tags.get(BEAT_KEY, "").replace(".", "", 1).isdigit() else None
+    try:
+        beat = float(tags[BEAT_KEY])
+    except (KeyError, ValueError):
+        beat = None
     if run.info.status != "RUNNING" or owner is None or not owner.alive(beat):
         return
     heard = f"; its last heartbeat {time.time() - beat:.0f} s ago (gone once silent for {STALE_S:g} s)" \
@@ -247,10 +250,11 @@ class Sweep:
         Returns how many it closed."""
         left = [child for child in children if child.info.status == "RUNNING"]
         for child in left:
-            by = f" ({before})" if before is not None else ""
-            self.client.set_tag(child.info.run_id, "error",
-                                f"its sweep's attempt {child.data.tags.get(ATTEMPT_KEY, '?')}{by} ended before the "
-                                f"trial did (killed); closed by attempt {self.attempt}")
+            attempt = child.data.tags.get(ATTEMPT_KEY, "?")
+            # The process is known for the attempt just before this one (the parent's owner tag until now).
+            by = f" ({before})" if before is not None and attempt == str(self.attempt - 1) else ""
+            self.client.set_tag(child.info.run_id, "error", f"its sweep's attempt {attempt}{by} ended before the "
+                                                            f"trial did (killed); closed by attempt {self.attempt}")
             with self.quiet():
                 self.client.set_terminated(child.info.run_id, "KILLED")
         return len(left)

@@ -314,9 +314,7 @@ class RunnerBackend(Backend):
                 abort(controller)
             _STOPPED_RUNS.reset(stopped)
             if started:
-                import ray
-
-                ray.shutdown()
+                ray_cluster.leave()
 
     def fit(self, job) -> None:
         engine = self.engine_backend()
