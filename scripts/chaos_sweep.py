@@ -22,7 +22,7 @@ command's start to its first trial. The table goes to stdout and docs/chaos_swee
 links it).
 
 tests/sweeps/test_runs.py runs the issue's case (three driver kills, then the command) in CI's tier;
-tests/test_chaos.py runs this script with fewer trials in the long tier.
+tests/test_chaos_sweep.py runs this script with fewer trials in the long tier.
 """
 
 import argparse

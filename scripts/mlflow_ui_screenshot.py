@@ -105,21 +105,45 @@ def open_page(page, address: str, shows: str, tries: int = 3) -> None:
             page.reload(wait_until="commit")
 
 
-def shoot(page, url: str, experiment_id: str, trial_ids: list[str]) -> None:
-    open_page(page, f"{url}/#/experiments/{experiment_id}/runs", "sweep-backends")  # the runs table is there
+def shoot_runs(page, url: str, experiment_id: str, parent: str, path: Path) -> None:
+    """The experiment's runs page with the sweep's parent run (`parent`, its name) expanded."""
+    open_page(page, f"{url}/#/experiments/{experiment_id}/runs", parent)  # the runs table is there
     page.wait_for_timeout(1500)
     close = page.get_by_role("button", name="Close")  # the UI's assistant panel, if it opened
     if close.count():
         close.first.click()
     # Open the sweep's row: its trials are nested under it (the expander sits left of the name).
-    box = page.get_by_text("sweep-backends").first.bounding_box()
+    box = page.get_by_text(parent).first.bounding_box()
     page.mouse.click(box["x"] - 32, box["y"] + box["height"] / 2)
     page.wait_for_timeout(1500)
-    page.screenshot(path=DOCS / "mlflow_runs.png")
+    page.screenshot(path=path)
+
+
+def shoot(page, url: str, experiment_id: str, trial_ids: list[str]) -> None:
+    shoot_runs(page, url, experiment_id, "sweep-backends", DOCS / "mlflow_runs.png")
     query = urllib.parse.urlencode({"runs": json.dumps(trial_ids), "experiments": json.dumps([experiment_id])})
     open_page(page, f"{url}/#/compare-runs?{query}", "final/eval_loss")
     page.wait_for_timeout(2500)  # the charts draw after the data arrives
     page.screenshot(path=DOCS / "mlflow_compare.png", full_page=True)
+
+
+def shoot_server(args) -> int:
+    """--server: the runs page of a server that is running (a large sweep's, scripts/scale.py)."""
+    from playwright.sync_api import sync_playwright
+
+    experiment = MlflowClient(args.server).get_experiment_by_name(args.experiment)
+    if experiment is None:
+        print(f"error: --experiment={args.experiment}: no such experiment at {args.server}", file=sys.stderr)
+        return 2
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            shoot_runs(page, args.server, experiment.experiment_id, args.parent, args.out)
+        finally:
+            browser.close()
+    print(f"wrote {args.out}")
+    return 0
 
 
 def main() -> int:
@@ -129,6 +153,11 @@ def main() -> int:
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     parser.add_argument("--compare", action="store_true",
                         help="a comparison and a two-objective sweep: their parent runs' tables and charts")
+    parser.add_argument("--server", help="an MLflow server already running (its URL): only its runs page, of "
+                        "--experiment with the --parent run expanded, saved as --out; no sweep is run")
+    parser.add_argument("--experiment", default=EXPERIMENT)
+    parser.add_argument("--parent", default="sweep-backends", help="the parent run's name (with --server)")
+    parser.add_argument("--out", type=Path, default=DOCS / "mlflow_runs.png", help="the picture (with --server)")
     args = parser.parse_args()
     try:
         from playwright.sync_api import sync_playwright
@@ -140,6 +169,8 @@ def main() -> int:
         print(f"error: no Chromium at {args.chromium}; apt-get install chromium, or --chromium PATH", file=sys.stderr)
         return 2
     DOCS.mkdir(exist_ok=True)
+    if args.server:
+        return shoot_server(args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         store = args.store or (run_compare_sweeps if args.compare else run_sweep)(folder, args.steps)

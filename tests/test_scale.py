@@ -35,7 +35,8 @@ def test_a_small_pruned_sweep_on_two_nodes_loses_no_trial_and_no_metric(tmp_path
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale.py"), "--trials", "12", "--nodes", "2",
                            "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    (figures,) = json.loads(out.read_text())["sweeps"]
     assert figures["trials"] == figures["finished"] == 12
     assert figures["lost"] == figures["twice"] == 0
     assert 0 < figures["occupancy"] <= 1 and figures["wall_over_ideal"] >= 1
+    assert figures["summary_after_s"] >= 0 and figures["driver_peak_rss_mb"] > 0

@@ -81,3 +81,11 @@ class OrchestrateRayLauncher(Launcher):
 
         _core.ready(self)
         return _core.slots(self.conf)
+
+    def queued(self) -> int:
+        """How many jobs beyond `slots` an asynchronous sweeper keeps launched, waiting in Ray's
+        queue for the next free slot (see `orchestrate.launch._core.queued`)."""
+        from orchestrate.launch import _core
+
+        _core.ready(self)
+        return _core.queued(self.conf)

@@ -22,8 +22,9 @@ on (RAY_AUTH_MODE=token is named for it instead: the mode Ray would choose, chos
 This module imports, and only when called, nothing of orchestrate but what imports nothing itself:
 the runtime's value (orchestrate.cluster.runtime), a free port (orchestrate.cluster.ports) and set_env
 (orchestrate.tracking.settings); the Hydra launcher plugin uses it. Its errors are its own:
-`RayUnavailable` (a ValueError: bad input, an address that cannot be reached) and `PlacementError`
-(a RuntimeError: the cluster cannot hold what was asked for in time).
+`RayUnavailable` (a ValueError: bad input, an address that cannot be reached), `PlacementError`
+(a RuntimeError: the cluster cannot hold what was asked for in time) and `HeadLost` (a
+RuntimeError: the head stopped answering under a wait, `HeadWatch`).
 """
 
 import contextlib
@@ -35,6 +36,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,10 @@ _JOINED = False
 
 class RayUnavailable(ValueError):
     """The Ray cluster at the configured address cannot be reached; the message names the key."""
+
+
+class HeadLost(RuntimeError):
+    """The Ray head this process joined stopped answering while it waited on its cluster (`HeadWatch`)."""
 
 
 class PlacementError(RuntimeError):
@@ -404,6 +410,38 @@ def check_listening(address: str, key: str, timeout_s: float = 5.0, shown: str |
     except OSError as e:
         raise RayUnavailable(f"{shown or f'{key}={address}'}: nothing answers at {host}:{port} ({e.strerror or e}); allowed: "
                              "null (a new local Ray), auto, or the address of a running cluster") from None
+
+
+HEAD_PROBE_S = 2.0  # how often a wait on the cluster asks whether its head answers (`HeadWatch`)
+HEAD_LOST_S = 10.0  # how long the head may not answer before that wait is given up
+
+
+class HeadWatch:
+    """For a wait on Ray's results (a sweep's trials): whether the head of the Ray this process
+    joined still answers, asked at most every HEAD_PROBE_S (a connection to its GCS port). Without
+    it the wait hangs until Ray's own client gives up on the GCS, 60 s later, and ends the process
+    on the spot: no summary, the sweep's runs left RUNNING. `check()` raises HeadLost once the
+    head has not answered for HEAD_LOST_S."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.address = ray.get_runtime_context().gcs_address
+        self.answered = self.next_probe = time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next_probe:
+            return
+        self.next_probe = now + HEAD_PROBE_S
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            self.answered = now
+        except OSError as e:
+            if now - self.answered >= HEAD_LOST_S:
+                raise HeadLost(f"the Ray head at {self.address} has not answered for {now - self.answered:.0f} s "
+                               f"({e.strerror or e}: killed, or its machine gone)") from None
 
 
 def resolve_auto(key: str) -> str:

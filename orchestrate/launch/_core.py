@@ -63,15 +63,24 @@ class TrialError(RuntimeError):
         return cls(f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
 
 
+class TrialLost(TrialError):
+    """The job's process died under it (its worker killed, its node or the cluster's head lost):
+    not a failure of the job itself. An asynchronous sweeper runs its point again."""
+
+    def __reduce__(self):
+        return TrialLost, (str(self), self.remote_traceback)
+
+
 def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_state: dict,
-             end_marker: Optional[str], cwd: Optional[str] = None) -> JobReturn:
+             end_marker: Optional[str], cwd: Optional[str] = None) -> tuple[JobReturn, float]:
     """Runs in a Ray worker: restore Hydra's global state as the driver has it, run the job in its
     own folder (Hydra's callbacks' on_job_start/on_job_end run here), then mark the end of its
     output (see OutputBarrier). `cwd`: the launching command's folder, where relative paths (the
     sweep's output folder, a relative store) mean what they mean to the user; a worker of a Ray
     started elsewhere (the warm head of `orchestrate up`) runs in the folder the head started
-    in. Kept where that folder does not exist (a node of a remote cluster)."""
-    before = os.getcwd()
+    in. Kept where that folder does not exist (a node of a remote cluster). Returns the job's
+    JobReturn and its seconds on this worker (the time it waited in Ray's queue left out)."""
+    before, began = os.getcwd(), time.perf_counter()
     try:
         if cwd is not None and os.path.isdir(cwd):
             os.chdir(cwd)
@@ -82,7 +91,7 @@ def _run_job(hydra_context, task_function, sweep_config: DictConfig, singleton_s
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
         if ret.status == JobStatus.FAILED:
             ret.return_value = TrialError.of(thirdparty.job_error(ret))
-        return ret
+        return ret, time.perf_counter() - began
     finally:
         os.chdir(before)
         _write_end_marker(end_marker)
@@ -256,11 +265,16 @@ def run(jobs: list[SweepJob], launcher, barrier: "OutputBarrier") -> list[JobRet
     submit_more(1)  # the first job starts before the others are composed
     submit_more(ahead)
     began = time.perf_counter()
+    head = ray_cluster.HeadWatch()
     while pending:
-        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=ray_cluster.HEAD_PROBE_S)
+        if not done:
+            head.check()  # HeadLost: its jobs' runs are closed by the sweep's callbacks as it ends
+            continue
+        (ref,) = done
         job = pending.pop(ref)
         launcher.in_flight.discard(ref)
-        ret, wrote_marker, died = collect(ref, job)
+        ret, seconds, wrote_marker, died = collect(ref, job)
         returns[job.idx] = ret
         if died and job.config is not None:
             # Its worker died (its host lost, killed): the job's own on_job_end never ran there.
@@ -269,7 +283,8 @@ def run(jobs: list[SweepJob], launcher, barrier: "OutputBarrier") -> list[JobRet
         if wrote_marker:
             marked.append(job.idx)
         if ret.status == JobStatus.COMPLETED:
-            log.info(f"\t#{job.idx} : {job.shown} COMPLETED after {time.perf_counter() - began:.1f} s")
+            log.info(f"\t#{job.idx} : {job.shown} COMPLETED in {seconds:.1f} s on its worker "
+                     f"({time.perf_counter() - began:.1f} s into this launch)")
             submit_more(ahead)
             continue
         log.error(f"\t#{job.idx} : {job.shown} FAILED: {thirdparty.job_error(ret)}")
@@ -286,6 +301,17 @@ def cancel_in_flight(launcher) -> None:
     refs, launcher.in_flight = list(launcher.in_flight), set()
     if refs:
         cancel(refs)
+
+
+def queued(conf) -> int:
+    """How many jobs beyond `slots` an asynchronous sweeper keeps launched: they wait in Ray's
+    queue and start the moment a slot frees, with no round trip through the driver (its result
+    told, the next trial asked and composed) between one trial and the next. On a cluster with an
+    autoscaler they are demand like any task (a node it adds takes trials too). None for jobs that
+    ask for no CPU or GPU: Ray would run them at once, beside the slots."""
+    if not (conf.cpus_per_trial or conf.gpus_per_trial):
+        return 0
+    return max(1, slots(conf) // 2)
 
 
 def slots(conf) -> int:
@@ -325,14 +351,16 @@ def _remote_run_job(process_per_trial: bool = False):
     return ray.remote(max_calls=1)(_run_job) if process_per_trial else ray.remote(_run_job)
 
 
-def collect(ref, job: SweepJob) -> tuple[JobReturn, bool, bool]:
+def collect(ref, job: SweepJob) -> tuple[JobReturn, float, bool, bool]:
     """The job's JobReturn, or a FAILED one when Ray itself failed (the worker died, the result
-    could not be serialized); whether the worker got to mark the end of the job's output; and
-    whether the job's process died under it (its worker or its node lost, not a cancel)."""
+    could not be serialized); its seconds on its worker (0 when Ray failed); whether the worker got
+    to mark the end of the job's output; and whether the job's process died under it (its worker
+    or its node lost, not a cancel)."""
     import ray
 
     try:
-        return ray.get(ref), True, False
+        ret, seconds = ray.get(ref)
+        return ret, seconds, True, False
     except ray.exceptions.RayTaskError as e:  # raised in _run_job, around the job: its finally ran
         cause = e.cause if e.cause is not None else e
         error, marked, died = TrialError(f"{type(cause).__name__}: {cause}", str(e)), True, False
@@ -341,8 +369,9 @@ def collect(ref, job: SweepJob) -> tuple[JobReturn, bool, bool]:
         # Which trial, and what it lost (Ray's own words name neither): its run ends FAILED, and
         # the same command runs the sweep on (the study's other trials).
         lost = f"trial #{job.idx} ({job.shown}) lost its process (killed, or its node gone): " if died else ""
-        error = TrialError(f"{lost}{type(e).__name__}: {str(e).splitlines()[0]}")
-    return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), marked, died
+        error = (TrialLost if died else TrialError)(f"{lost}{type(e).__name__}: {str(e).splitlines()[0]}")
+    return JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED, _return_value=error), 0.0, \
+        marked, died
 
 
 def where(conf) -> str:

@@ -8,12 +8,15 @@ when a sweep starts. In order:
    running (the process was killed) is failed and its parameters run again. Trials on a Ray
    cluster's other hosts reach a SQLite study through Optuna's gRPC proxy, served from here
    (`served`, orchestrate.sweeps.remote).
-3. The slots: as many trials run at once as the launcher can run. Each slot's trial is launched
-   alone (`launcher.launch([overrides], trial.number)`), from its own thread when there are
-   several slots; the study is asked and told from this thread only.
+3. The slots: as many trials run at once as the launcher can run, and on Ray a
+   few more launched ahead, waiting in Ray's queue to start the moment a slot frees. Each trial
+   is launched alone (`launcher.launch([overrides], trial.number)`), from its own thread when
+   there are several slots; the study is asked and told from this thread only.
 4. Each ended job is told to the study: pruned (its loop stopped where the pruner said, see
    orchestrate.sweeps.pruning), complete with the value it returned, or failed. Past
-   max_failure_rate no new trial starts and the sweep raises the first failure.
+   max_failure_rate no new trial starts and the sweep raises the first failure. A trial whose
+   process died (its worker killed, its node lost) has its point run again, once (`rerun_lost`);
+   the cluster's head lost ends the sweep in one line (the same command continues it).
 """
 
 import contextlib
@@ -30,7 +33,8 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrate import schema, thirdparty
+from orchestrate import errors, schema, thirdparty
+from orchestrate.cluster import ray_cluster
 from orchestrate.schema import ConfigError
 from orchestrate.sweeps import plan, remote
 from orchestrate.sweeps.pruning import PRUNED_AT, pruner_settings
@@ -290,6 +294,15 @@ def slot_count(sweeper, n_jobs: int | None) -> int:
     return slots() if callable(slots) else 1
 
 
+def queued_count(sweeper, n_jobs: int | None) -> int:
+    """Trials launched beyond the slots, waiting in the launcher's queue for the next free one
+    (the Ray launcher's `queued`): the slot a trial frees starts the next at once, while this
+    driver tells the study and asks for another. None when hydra.sweeper.n_jobs caps the trials
+    at once (a queued one would run beside them where the cluster has room)."""
+    queued = getattr(sweeper.launcher, "queued", None)
+    return queued() if n_jobs is None and callable(queued) else 0
+
+
 # ---- 4. the sweep ------------------------------------------------------------------------------
 
 @dataclass
@@ -341,10 +354,12 @@ def sweep(sweeper, arguments: list[str]) -> None:
     # As in Study.optimize: a sampler may stop the study (GridSampler, once every point is taken).
     stop_requested = thirdparty.optuna_optimize_loop(study)
     slots = min(slot_count(sweeper, conf.get("n_jobs")), max(to_run, 1))
+    ahead = queued_count(sweeper, conf.get("n_jobs")) if to_run > slots else 0
     allowed_failures = int(float(conf["max_failure_rate"]) * int(conf["n_trials"]))
     pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner", "?")
     log.info(f"Optuna study '{name}' in {redact_text(storage)}: {done} of {conf['n_trials']} trials done; "
-             f"running {to_run}, {slots} at a time; pruner: {pruner}")
+             f"running {to_run}, {slots} at a time{f' ({ahead} more queued for the next free slot)' if ahead else ''}; "
+             f"pruner: {pruner}")
 
     ended: queue.Queue = queue.Queue()
     running: dict[int, Any] = {}
@@ -379,7 +394,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
         if storage.startswith("sqlite") and remote.cluster_head(config) is not None:
             trial_storage = services.enter_context(served(study, remote.server_host(config)))
         while launched < to_run or running:
-            while (launched < to_run and len(running) < slots and len(failures) <= allowed_failures
+            while (launched < to_run and len(running) < slots + ahead and len(failures) <= allowed_failures
                    and not stop_requested()):
                 if not start():
                     to_run = launched  # every proposal repeats a trial: the space is spent
@@ -388,6 +403,18 @@ def sweep(sweeper, arguments: list[str]) -> None:
             if not running:
                 break
             number, overrides, ret = next_ended(ended)
+            if ret.status == JobStatus.FAILED and isinstance(thirdparty.job_error(ret), ray_cluster.HeadLost):
+                raise errors.Failed(
+                    f"{thirdparty.job_error(ret)}: the sweep stops; trial(s) "
+                    f"{', '.join(f'#{n}' for n in sorted(running))} were running or queued on its cluster: their runs "
+                    "are closed KILLED, and the same command runs them again once the cluster is back (or with "
+                    "hydra.launcher.address of another)") from None
+            if ret.status == JobStatus.FAILED and rerun_lost(study, running[number], thirdparty.job_error(ret)):
+                running.pop(number)
+                to_run += 1
+                log.warning(f"\t#{number} : {' '.join(overrides)} lost its process (killed, or its node gone): its "
+                            "point runs again as a new trial")
+                continue
             outcome = tell(study, running.pop(number), overrides, ret)
             outcomes.append(outcome)
             if outcome.state == "FAIL":
@@ -476,6 +503,24 @@ def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
     told = [float(v) for v in values] if len(values) > 1 else float(values[0])
     study.tell(trial, told)
     return Outcome(trial.number, overrides, "COMPLETE", told)
+
+
+RERUN_OF = "rerun_of"  # a trial's user attribute: the number of the trial whose point it runs again
+
+
+def rerun_lost(study, trial, error: BaseException) -> bool:
+    """A trial whose process died under it (TrialLost: its worker killed, its node lost) is no
+    result of its point: failed in the study, and its point enqueued to run again as a new trial,
+    once (a point whose rerun dies too counts as a failure). True if it was."""
+    from optuna.trial import TrialState
+
+    from orchestrate.launch._core import TrialLost
+
+    if not isinstance(error, TrialLost) or RERUN_OF in trial.user_attrs:
+        return False
+    study.tell(trial, state=TrialState.FAIL)
+    study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+    return True
 
 
 def describe(outcome: Outcome) -> str:

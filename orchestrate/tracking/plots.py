@@ -7,6 +7,9 @@ process, and matplotlib is imported only when a chart is drawn (not on a command
 import logging
 from pathlib import Path
 
+LOSSES = ("train/loss", "eval/loss")
+LEGEND_MAX = 20  # curves on a chart with a legend; past it, none (a large sweep's chart of its trials)
+
 
 class _LogFileOnly(logging.Filter):
     """On a console handler: matplotlib's notices below WARNING (on a fresh machine, "generated new
@@ -16,16 +19,19 @@ class _LogFileOnly(logging.Filter):
         return record.levelno >= logging.WARNING or record.name.split(".")[0] != "matplotlib"
 
 
-def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
-    """`curves`: label -> metric name -> [(step, value)]. Train loss solid, eval loss dashed,
-    one colour per label, so several runs overlay on one chart."""
+def loss_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str,
+                metrics: tuple[str, ...] = LOSSES) -> Path:
+    """`curves`: label -> metric name -> [(step, value)], of which `metrics` are drawn: train loss
+    solid, eval loss (or another metric) dashed, one colour per label, so several runs overlay on
+    one chart."""
     from orchestrate.ort import console_filtered
 
     with console_filtered(_LogFileOnly()):
-        return _draw(curves, path, title)
+        return _draw(curves, path, title, metrics)
 
 
-def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str) -> Path:
+def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, title: str,
+          metrics: tuple[str, ...]) -> Path:
     """Every run draws one, at its end: the loss axis is labelled in plain numbers (0.2, 1), not
     matplotlib's mathtext powers of ten, and the margins are fixed (no tight layout, which measures
     every label): 0.05 s instead of 0.15 s of each run's end."""
@@ -36,14 +42,14 @@ def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, tit
     ax = fig.subplots()
     for i, (label, history) in enumerate(curves.items()):
         colour = f"C{i % 10}"
-        for metric, style in (("train/loss", "-"), ("eval/loss", "--")):
-            points = history.get(metric, [])
+        for metric in metrics:
+            points, style = history.get(metric, []), "-" if metric.startswith("train/") else "--"
             if points:
                 steps, values = zip(*points)
                 ax.plot(steps, values, style, color=colour, marker="o" if len(points) < 4 else None,
-                        label=f"{label} {metric}")
+                        label=f"{label} {metric}", linewidth=1.5 if len(curves) <= LEGEND_MAX else 0.5)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss" if all("loss" in m for m in metrics) else ", ".join(metrics))
     ax.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     ax.yaxis.set_major_formatter(plain)  # the powers of ten; within a decade the 2, 3, ... 9 between them too
@@ -51,7 +57,9 @@ def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, tit
     ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # a sweep whose trials all failed has no curve
+    if len(curves) > LEGEND_MAX:  # a large sweep's: a legend of every trial would cover the chart
+        ax.set_title(f"{title}: {len(curves)} runs (no legend: MLflow's chart view tells them apart)")
+    elif ax.get_legend_handles_labels()[0]:  # a sweep whose trials all failed has no curve
         ax.legend(fontsize="small")
     fig.subplots_adjust(left=0.09, right=0.97, bottom=0.1, top=0.93)
     fig.savefig(path, dpi=100)

@@ -171,3 +171,27 @@ def test_leave_lets_go_only_of_the_ray_init_started_or_joined(monkeypatch, joine
     assert fake.shutdowns == (1 if joined else 0)
     assert fake.up is not joined
     assert ray_cluster._WARM is None and not ray_cluster._JOINED
+
+
+def test_a_wait_on_a_head_that_stopped_answering_is_given_up_after_head_lost_s(monkeypatch):
+    """HeadWatch: a head that answers resets the clock; one that does not for HEAD_LOST_S is HeadLost, named."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from orchestrate.cluster import ray_cluster
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    fake = SimpleNamespace(get_runtime_context=lambda: SimpleNamespace(gcs_address=f"127.0.0.1:{port}"))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_cluster, "HEAD_PROBE_S", 0.0)
+    monkeypatch.setattr(ray_cluster, "HEAD_LOST_S", 0.5)
+    watch = ray_cluster.HeadWatch()
+    time.sleep(0.6)
+    watch.check()  # it answers: not lost, however long since the watch began
+    server.close()
+    watch.check()  # not answering, for less than HEAD_LOST_S
+    time.sleep(0.6)
+    with pytest.raises(ray_cluster.HeadLost, match=rf"the Ray head at 127\.0\.0\.1:{port} has not answered for 1 s"):
+        watch.check()

@@ -24,7 +24,7 @@ from hydra.errors import MissingConfigException
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 
-from hydra_plugins.orchestrate_ray_launcher.ray_launcher import OrchestrateRayLauncher
+from hydra_plugins.orchestrate_ray_launcher.ray_launcher import OrchestrateRayLauncher, OrchestrateRayLauncherConf
 from orchestrate.cluster import ray_cluster
 from orchestrate.launch._core import END_OF_OUTPUT, OutputBarrier, RemoteTraceback, TrialError
 
@@ -225,6 +225,19 @@ class TestWaitForPlacement:
             ray_cluster.wait_for_placement([{"CPU": 1}] * 3, "SPREAD", 0.5, "trainer.num_workers=3: the run",
                                            "backend.placement_timeout_s")
         assert time.perf_counter() - began < 5
+
+
+def test_an_asynchronous_sweeper_queues_half_the_slots_ahead_and_none_for_jobs_that_ask_for_nothing(monkeypatch):
+    """Trials queued in Ray beyond the slots start the moment one frees; a job that asks for no
+    CPU or GPU is not held by Ray at all, so queueing one would run it beside the slots."""
+    from orchestrate.launch import _core
+
+    monkeypatch.setattr(_core, "slots", lambda conf: 4)
+    assert _core.queued(OrchestrateRayLauncherConf(cpus_per_trial=1)) == 2
+    assert _core.queued(OrchestrateRayLauncherConf(cpus_per_trial=0, gpus_per_trial=1)) == 2
+    assert _core.queued(OrchestrateRayLauncherConf(cpus_per_trial=0, gpus_per_trial=0)) == 0
+    monkeypatch.setattr(_core, "slots", lambda conf: 1)
+    assert _core.queued(OrchestrateRayLauncherConf(cpus_per_trial=1)) == 1
 
 
 def test_trial_error_keeps_its_text_and_traceback_through_pickle():

@@ -4,21 +4,26 @@ earlier attempts were killed (SIGKILL of the whole process group, at any moment)
 they left RUNNING before it opens its own, then runs the study to its end: every trial once, no
 run RUNNING."""
 
+import contextlib
 import os
 import platform
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from orchestrate.cluster.ports import free_port
 from orchestrate.sweeps import _runs
 from orchestrate.tracking.owner import STALE_S, Owner
 from tests.conftest import ROOT, sweep_runs
+from tests.helpers import RAY_CLI_ON_LOOPBACK, alive_nodes
 from tests.sweeps.test_optuna_sweeper import study_of
 from tests.sweeps.test_sweeps import QUICK
 from tests.test_signals import HeldData
@@ -181,3 +186,62 @@ def test_the_sweeps_server_killed_is_started_again_on_its_port(tmp_path):
         assert client.get_run(run.info.run_id).info.status == "RUNNING"  # the same store, through the same address
     finally:
         sweep.server.stop()
+
+
+def start_head(port: int, env: dict) -> subprocess.Popen:
+    """A Ray head of 2 CPUs on 127.0.0.1:`port`, its processes in a group of their own (killed whole below)."""
+    head = subprocess.Popen([sys.executable, "-c", RAY_CLI_ON_LOOPBACK, "start", "--head", f"--port={port}", "--block",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
+                             f"--temp-dir={tempfile.mkdtemp(prefix='rh', dir='/tmp')}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not alive_nodes(f"127.0.0.1:{port}", env):
+        assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start within 120 s"
+        time.sleep(1)
+    return head
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_ray_head_killed_under_a_sweep_ends_it_in_one_line_and_the_same_command_continues(tmp_path):
+    """The cluster's head killed (SIGKILL of its processes) while trials are held running: the
+    command does not wait for Ray's own 60 s give-up (which ends the process on the spot, the
+    sweep's runs left RUNNING): it ends within seconds with one line naming the head and the trials
+    it lost, and its summary; started again on the same port, the same command runs the sweep to
+    its end with no run RUNNING."""
+    port = free_port()
+    env = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    marker = tmp_path / "hold"
+    marker.touch()
+    words = [*(w for w in killed_sweep(marker) if not w.startswith("hydra.launcher.num_cpus")),
+             f"hydra.launcher.address=127.0.0.1:{port}"]
+    head = start_head(port, env)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        wait_until(proc, "a trial held", lambda: held(marker))
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=60)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and time.monotonic() - killed < 40, err[-3000:]
+        (line,) = [e for e in err.splitlines() if e.startswith("error: ")]
+        assert re.match(rf"error: the Ray head at 127\.0\.0\.1:{port} has not answered for \d+ s .*: the sweep stops; "
+                        r"trial\(s\) #\d", line), line
+        assert "sweep summary" in out and out.rstrip().splitlines()[-1].startswith("then open"), out[-2000:]
+        marker.unlink()
+        head = start_head(port, env)
+        last = subprocess.run([sys.executable, "-m", "orchestrate", *words], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=60)
+    client, (sweep,), children = sweep_runs(tmp_path)
+    runs = client.search_runs([sweep.info.experiment_id], max_results=1000)
+    assert sweep.info.status == "FINISHED" and [r for r in runs if r.info.status == "RUNNING"] == []
+    study = study_of(tmp_path)
+    finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == 6 and not [t for t in study.trials if t.state.name == "RUNNING"]
