@@ -8,11 +8,14 @@ hit `--kills` times, each at a random moment, by a kind drawn at random:
 
   driver   SIGKILL of the command's whole process group (a lost login shell, a killed job): the
            next attempt is the same command, started at once
-  worker   SIGKILL of the process of a trial that is running (a Ray worker): the sweep goes on
+  worker   SIGKILL of the process of a trial that is running (a Ray worker): the sweep goes on,
+           the trial's point run again as a new trial (once)
   server   SIGKILL of the sweep's MLflow server (its process group): the sweep starts it again on
            its port at its next heartbeat (orchestrate.sweeps._runs.Sweep.keep_server)
 
-then the same command once more, to the end. Read back through MLflow's and Optuna's clients: the
+then the same command once more, to the end. (The Ray head killed under a sweep has a test of its
+own, tests/sweeps/test_runs.py: the command ends in one line, and the same command continues the
+sweep on the head started again.) Read back through MLflow's and Optuna's clients: the
 last command's exit code; every trial of the study once in its summary; no run RUNNING; every run a
 killed attempt left closed KILLED by the next one, saying so; the study's finished trials each a
 FINISHED child run with the same parameters; no point finished twice (the sampler's history

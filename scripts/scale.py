@@ -381,7 +381,8 @@ def page(results: list[dict], args, picture: str) -> str:
     lines = [
         f"# Large pruned sweeps on {'test hosts that share nothing' if args.hosts else 'a loopback cluster'}",
         "",
-        f"Written by `python scripts/scale.py --trials {counts}{' --hosts' if args.hosts else ''}` on "
+        f"Written by `{'python -m scripts.scale --hosts' if args.hosts else 'python scripts/scale.py --screenshot'} "
+        f"--trials {counts}` on "
         f"{datetime.date.today()} ({platform.node()}, {os.cpu_count()} cores). On {where}. Each trial takes 1 CPU: "
         f"{results[0]['slots']} slots; the cluster's nodes, the driver and the store share this machine's cores.",
         "",
@@ -395,7 +396,7 @@ def page(results: list[dict], args, picture: str) -> str:
         "`COMPLETED in ... s on its worker` line says; its MLflow run is shorter by the trial's set-up (Hydra's job "
         "folder, the run opened). The wall time counts what the trials do not: the sweep's own start (Ray, the "
         "study, the first composition), Ray's dispatch of each trial, the driver's work between trials (Optuna's "
-        "sampler, the next launch: on a fixed cluster the sweep keeps trials queued in Ray for the next free slot) "
+        "sampler, the next launch: the sweep keeps trials queued in Ray for the next free slot) "
         "and its end (the summary). The driver's memory keeps what the summary needs of each trial (a row each); "
         "the growth per 100 trials is that, or a leak if it is much more.",
     ]

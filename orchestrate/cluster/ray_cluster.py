@@ -421,17 +421,19 @@ class HeadWatch:
     joined still answers, asked at most every HEAD_PROBE_S (a connection to its GCS port). Without
     it the wait hangs until Ray's own client gives up on the GCS, 60 s later, and ends the process
     on the spot: no summary, the sweep's runs left RUNNING. `check()` raises HeadLost once the
-    head has not answered for HEAD_LOST_S."""
+    head has not answered for HEAD_LOST_S. Through Ray Client (`ray://`) the head's own port may
+    not be reachable from here at all: nothing is asked; Ray Client's own reconnection applies."""
 
     def __init__(self) -> None:
         import ray
+        from ray.util.client import ray as client
 
-        self.address = ray.get_runtime_context().gcs_address
+        self.address = None if client.is_connected() else ray.get_runtime_context().gcs_address
         self.answered = self.next_probe = time.monotonic()
 
     def check(self) -> None:
         now = time.monotonic()
-        if now < self.next_probe:
+        if self.address is None or now < self.next_probe:
             return
         self.next_probe = now + HEAD_PROBE_S
         host, _, port = self.address.rpartition(":")

@@ -183,8 +183,9 @@ def test_a_wait_on_a_head_that_stopped_answering_is_given_up_after_head_lost_s(m
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    fake = SimpleNamespace(get_runtime_context=lambda: SimpleNamespace(gcs_address=f"127.0.0.1:{port}"))
-    monkeypatch.setitem(sys.modules, "ray", fake)
+    import ray
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address=f"127.0.0.1:{port}"))
     monkeypatch.setattr(ray_cluster, "HEAD_PROBE_S", 0.0)
     monkeypatch.setattr(ray_cluster, "HEAD_LOST_S", 0.5)
     watch = ray_cluster.HeadWatch()
