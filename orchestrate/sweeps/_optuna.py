@@ -15,7 +15,7 @@ when a sweep starts. In order:
 4. Each ended job is told to the study: pruned (its loop stopped where the pruner said, see
    orchestrate.sweeps.pruning), complete with the value it returned, or failed. Past
    max_failure_rate no new trial starts and the sweep raises the first failure. A trial whose
-   process died (its worker killed, its node lost) has its point run again, once (`rerun_lost`);
+   process died (its worker killed, its node lost) has its point run again, once (`lost`);
    the cluster's head lost ends the sweep in one line (the same command continues it).
 """
 
@@ -357,13 +357,12 @@ def sweep(sweeper, arguments: list[str]) -> None:
     ahead = queued_count(sweeper, conf.get("n_jobs")) if to_run > slots else 0
     allowed_failures = int(float(conf["max_failure_rate"]) * int(conf["n_trials"]))
     pruner = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/sweeper/pruner", "?")
+    queued = f" ({ahead} more queued for the next free slot)" if ahead else ""
     log.info(f"Optuna study '{name}' in {redact_text(storage)}: {done} of {conf['n_trials']} trials done; "
-             f"running {to_run}, {slots} at a time{f' ({ahead} more queued for the next free slot)' if ahead else ''}; "
-             f"pruner: {pruner}")
+             f"running {to_run}, {slots} at a time{queued}; pruner: {pruner}")
 
     ended: queue.Queue = queue.Queue()
     running: dict[int, Any] = {}
-    outcomes: list[Outcome] = []
     failures: list[Outcome] = []
 
     def start() -> bool:
@@ -386,8 +385,7 @@ def sweep(sweeper, arguments: list[str]) -> None:
             threading.Thread(target=run, name=f"trial-{trial.number}", daemon=True).start()
         return True
 
-    began = time.perf_counter()
-    launched = 0
+    began, launched = time.perf_counter(), 0
     services = contextlib.ExitStack()  # the study served to the trials' hosts, if they are elsewhere
     try:
         trial_storage = storage  # what the trials open (`start`)
@@ -403,28 +401,17 @@ def sweep(sweeper, arguments: list[str]) -> None:
             if not running:
                 break
             number, overrides, ret = next_ended(ended)
-            if ret.status == JobStatus.FAILED and isinstance(thirdparty.job_error(ret), ray_cluster.HeadLost):
-                raise errors.Failed(
-                    f"{thirdparty.job_error(ret)}: the sweep stops; trial(s) "
-                    f"{', '.join(f'#{n}' for n in sorted(running))} were running or queued on its cluster: their runs "
-                    "are closed KILLED, and the same command runs them again once the cluster is back (or with "
-                    "hydra.launcher.address of another)") from None
-            if ret.status == JobStatus.FAILED and rerun_lost(study, running[number], thirdparty.job_error(ret)):
-                running.pop(number)
-                to_run += 1
-                log.warning(f"\t#{number} : {' '.join(overrides)} lost its process (killed, or its node gone): its "
-                            "point runs again as a new trial")
+            if ret.status == JobStatus.FAILED and lost(study, running, number, overrides, ret):
+                to_run += 1  # its point, again
                 continue
             outcome = tell(study, running.pop(number), overrides, ret)
-            outcomes.append(outcome)
             if outcome.state == "FAIL":
                 failures.append(outcome)
             log.info(f"\t#{number} : {' '.join(overrides)} {describe(outcome)} "
                      f"({time.perf_counter() - began:.1f} s into the sweep)")
     except BaseException:
-        # Ctrl-C (or an error here): the trials still running end with the sweep, where the
-        # launcher can end them (orchestrate_ray cancels their tasks). The study keeps them
-        # RUNNING: the same sweep run again fails them and runs their parameters again.
+        # Ctrl-C (or an error here): the trials still running end with the sweep (orchestrate_ray cancels
+        # their tasks); the study keeps them RUNNING: the same sweep run again runs their points again.
         cancel = getattr(sweeper.launcher, "cancel", None)
         if running and callable(cancel):
             cancel()
@@ -508,18 +495,27 @@ def tell(study, trial, overrides: list[str], ret: JobReturn) -> Outcome:
 RERUN_OF = "rerun_of"  # a trial's user attribute: the number of the trial whose point it runs again
 
 
-def rerun_lost(study, trial, error: BaseException) -> bool:
-    """A trial whose process died under it (TrialLost: its worker killed, its node lost) is no
-    result of its point: failed in the study, and its point enqueued to run again as a new trial,
-    once (a point whose rerun dies too counts as a failure). True if it was."""
+def lost(study, running: dict, number: int, overrides: list[str], ret: JobReturn) -> bool:
+    """A failed job that is no result of its point. The cluster's head lost (ray_cluster.HeadLost):
+    the sweep ends in one line naming the trials running or queued. Its own process died under it
+    (TrialLost: its worker killed, its node lost): failed in the study, its point enqueued to run
+    again as a new trial, once (a rerun that dies too counts as a failure); True. Else False."""
     from optuna.trial import TrialState
 
     from orchestrate.launch._core import TrialLost
 
+    error, trial = thirdparty.job_error(ret), running[number]
+    if isinstance(error, ray_cluster.HeadLost):
+        raise errors.Failed(f"{error}: the sweep stops; trial(s) {', '.join(f'#{n}' for n in sorted(running))} were "
+                            "running or queued on its cluster: their runs are closed KILLED, and the same command runs "
+                            "them again once the cluster is back (or with hydra.launcher.address of another)") from None
     if not isinstance(error, TrialLost) or RERUN_OF in trial.user_attrs:
         return False
     study.tell(trial, state=TrialState.FAIL)
     study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+    del running[number]
+    log.warning(f"\t#{number} : {' '.join(overrides)} lost its process (killed, or its node gone): its point runs "
+                "again as a new trial")
     return True
 
 
