@@ -2,7 +2,8 @@
 on the same sweep is refused while the first lives, and a command that continues a sweep whose
 earlier attempts were killed (SIGKILL of the whole process group, at any moment) closes the runs
 they left RUNNING before it opens its own, then runs the study to its end: every trial once, no
-run RUNNING."""
+run RUNNING. The cluster's Ray head killed under a sweep ends the command in one line within
+seconds, and the same command continues the sweep on the head started again."""
 
 import contextlib
 import os
