@@ -436,14 +436,14 @@ class HeadWatch:
         if self.address is None or now < self.next_probe:
             return
         self.next_probe = now + HEAD_PROBE_S
+        from orchestrate.cluster.ports import answers
+
         host, _, port = self.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
+        if answers(host, int(port), 1.0):
             self.answered = now
-        except OSError as e:
-            if now - self.answered >= HEAD_LOST_S:
-                raise HeadLost(f"the Ray head at {self.address} has not answered for {now - self.answered:.0f} s "
-                               f"({e.strerror or e}: killed, or its machine gone)") from None
+        elif now - self.answered >= HEAD_LOST_S:
+            raise HeadLost(f"the Ray head at {self.address} has not answered for {now - self.answered:.0f} s "
+                           "(killed, or its machine gone)")
 
 
 def resolve_auto(key: str) -> str:

@@ -26,7 +26,14 @@ from orchestrate.tracking.handover import ParentRun
 from orchestrate.tracking.owner import STALE_S, Heartbeat, Owner
 from orchestrate.tracking.redact import redact_override
 from orchestrate.tracking.settings import NO_RUN_LINKS, set_env
-from orchestrate.tracking.stores import absolute_uri, new_sqlite_store, open_ui, training_experiment, wait_for
+from orchestrate.tracking.stores import (
+    SERVER_WAIT_S,
+    absolute_uri,
+    new_sqlite_store,
+    open_ui,
+    training_experiment,
+    wait_for,
+)
 
 log = logging.getLogger(__name__)
 SWEEP_KEY = "orchestrate.sweep_key"
@@ -37,7 +44,6 @@ ATTEMPT_KEY = "orchestrate.sweep.attempt"  # on the parent and each trial: the c
 OWNER_KEY = "orchestrate.sweep.owner"  # on the parent: the process running the sweep (orchestrate.tracking.owner)
 BEAT_KEY = "orchestrate.sweep.alive_at"  # on the parent: its heartbeat, seconds since the epoch
 HISTORY_READERS = 8  # requests for curves at once at the sweep's end (`Sweep.prefetch`)
-REACH_TIMEOUT_S = 20.0  # the longest a trial waits for the sweep's MLflow server to answer before its run opens
 
 
 def trial_name(overrides: list[str], fixed: list[str]) -> str:
@@ -68,11 +74,11 @@ def parent_name(name: str, config: DictConfig) -> str:
 def open_trial(parent: ParentRun, config: DictConfig) -> str:
     """The run a job logs into: a new child of the parent, or (resuming) the trial's FINISHED
     child from an earlier attempt, which the app then skips."""
-    if parent.uri.startswith("http") and wait_for(parent.uri, REACH_TIMEOUT_S) is not None:
+    if parent.uri.startswith("http") and wait_for(parent.uri) is not None:
         import socket  # a trial on a host that cannot reach the server: one line now, not MLflow's retries for minutes
 
         raise RuntimeError(f"the sweep's MLflow server {parent.uri} did not answer on {socket.gethostname()} within "
-                           f"{REACH_TIMEOUT_S:g} s")
+                           f"{SERVER_WAIT_S:g} s")
     name = trial_name(list(config.hydra.overrides.task), parent.command)
     if name in parent.finished:
         return parent.finished[name]
@@ -88,9 +94,9 @@ def open_trial(parent: ParentRun, config: DictConfig) -> str:
 def close_trial(uri: str, run_id: str, failed: BaseException | None) -> None:
     """A job that ended without closing its run (it failed before the app opened its tracker, e.g.
     a rejected config) leaves it RUNNING: close it as the job ended, with the error in `error`. A
-    server away (restarting) is waited for up to REACH_TIMEOUT_S."""
+    server away (restarting) is waited for up to SERVER_WAIT_S."""
     if uri.startswith("http"):
-        wait_for(uri, REACH_TIMEOUT_S)
+        wait_for(uri)
     client = MlflowClient(tracking_uri=uri)
     if client.get_run(run_id).info.status != "RUNNING":
         return

@@ -55,11 +55,10 @@ def _draw(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path, tit
     ax.yaxis.set_major_formatter(plain)  # the powers of ten; within a decade the 2, 3, ... 9 between them too
     low, high = ax.get_ylim()
     ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
-    ax.set_title(title)
+    many = len(curves) > LEGEND_MAX  # a large sweep's: a legend of every trial would cover the chart
+    ax.set_title(f"{title}: {len(curves)} runs (no legend: MLflow's chart view tells them apart)" if many else title)
     ax.grid(True, alpha=0.3)
-    if len(curves) > LEGEND_MAX:  # a large sweep's: a legend of every trial would cover the chart
-        ax.set_title(f"{title}: {len(curves)} runs (no legend: MLflow's chart view tells them apart)")
-    elif ax.get_legend_handles_labels()[0]:  # a sweep whose trials all failed has no curve
+    if not many and ax.get_legend_handles_labels()[0]:  # a sweep whose trials all failed has no curve
         ax.legend(fontsize="small")
     fig.subplots_adjust(left=0.09, right=0.97, bottom=0.1, top=0.93)
     fig.savefig(path, dpi=100)

@@ -33,14 +33,20 @@ from orchestrate.tracking.params import flatten
 from orchestrate.tracking.redact import redact, redacted_yaml
 from orchestrate.tracking.resume import ResumePoint, close_orphans, find_resume
 from orchestrate.tracking.settings import quick_http, set_env
-from orchestrate.tracking.stores import absolute_uri, mark_for_training, new_sqlite_store, training_experiment, wait_for
+from orchestrate.tracking.stores import (
+    SERVER_WAIT_S,
+    absolute_uri,
+    mark_for_training,
+    new_sqlite_store,
+    training_experiment,
+    wait_for,
+)
 
 log = logging.getLogger(__name__)
 
 # What stopped an earlier attempt no longer describes a resumed run: it goes on.
 STALE_TAGS = ("error", "diverged_at")
 PARAMS_PER_REQUEST = 100  # MLflow's limit for one log_batch
-SERVER_WAIT_S = 20.0  # a sweep's trial waits this long for the sweep's server (restarting) before its run opens
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,9 @@ class Run(RunLogger):
         process killed in its first seconds leaves a run that `trainer.resume=auto` can still tell
         apart (config_key) and end (host, pid)."""
         if choice.run_id is not None:
-            if choice.handed_over is not None and choice.uri.startswith("http"):
-                # A sweep's trial: the sweep's server may be restarting (found gone, started again on its port).
-                wait_for(choice.uri, SERVER_WAIT_S)
+            # A sweep's trial: the sweep's server may be restarting (found gone, started again on its port).
+            if choice.handed_over is not None and choice.uri.startswith("http") and (why := wait_for(choice.uri)):
+                raise RuntimeError(f"the sweep's MLflow server did not come back within {SERVER_WAIT_S:g} s: {why}")
             client.update_run(choice.run_id, status="RUNNING")
             run = client.get_run(choice.run_id)
             if choice.resume is not None:

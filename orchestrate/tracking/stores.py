@@ -136,7 +136,10 @@ def new_sqlite_store(uri: str) -> None:
 DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
-def wait_for(uri: str, timeout_s: float) -> str | None:
+SERVER_WAIT_S = 20.0  # the longest a sweep's trial waits for the sweep's MLflow server (restarting: found gone)
+
+
+def wait_for(uri: str, timeout_s: float = SERVER_WAIT_S) -> str | None:
     """`unreachable(uri)` asked again until it is None or `timeout_s` passed (a server restarting: a
     sweep's, started again on its port once found gone); its last answer."""
     import time
